@@ -1,0 +1,30 @@
+//! Backends execute one planned step.
+//!
+//! Every backend runs under the same scheduler and block pool: it receives the step's
+//! sequences ([`SeqView`]: which tokens to compute, at which positions, through which
+//! block table) and returns one sampled token for every sequence whose step reaches the
+//! end of its known tokens. A backend that only *models* time (`sim`) also returns how
+//! long the step would have taken on its hardware; the runtime then waits until that
+//! much time has passed since the step began.
+
+pub mod sim;
+
+use std::time::Duration;
+
+use crate::scheduler::{RequestId, SeqView};
+use crate::tokenizer::TokenId;
+
+/// Result of one step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepOutput {
+    /// `(request, token)` for every sequence scheduled with `sample`.
+    pub sampled: Vec<(RequestId, TokenId)>,
+    /// Modelled duration of the step (simulated backends only).
+    pub model_time: Option<Duration>,
+}
+
+/// A model executor.
+pub trait Backend: Send {
+    /// Compute one step over `batch`.
+    fn execute(&mut self, batch: &[SeqView<'_>]) -> StepOutput;
+}

@@ -1,0 +1,67 @@
+//! The `sim` backend: a calibrated GPU timing model in place of a forward pass.
+//!
+//! It runs under the real scheduler and block pool; only the forward pass is replaced.
+//! Each step's duration comes from [`roofline::step_time`] for the chosen
+//! [`profiles::SimProfile`]; tokens are deterministic words drawn from the request's seed
+//! and output position, so the same request with the same seed always produces the same
+//! text, and the text re-tokenizes to the same ids (multi-turn prefixes hit the cache).
+//!
+//! End of sequence: when EOS is allowed (`ignore_eos` off, `min_tokens` reached), each
+//! generated token is EOS with probability 1/[`EOS_ONE_IN`], giving a geometric output
+//! length with that mean, like a chat model that stops on its own.
+
+pub mod profiles;
+pub mod roofline;
+
+use super::{Backend, StepOutput};
+use crate::scheduler::SeqView;
+use crate::tokenizer::{SimTokenizer, TokenId};
+pub use profiles::{profile, SimProfile, PROFILE_NAMES};
+pub use roofline::{kv_cache_blocks, step_time, StepShape};
+
+/// Mean generated length when EOS is allowed.
+pub const EOS_ONE_IN: u64 = 200;
+
+/// The simulated backend.
+#[derive(Debug, Clone)]
+pub struct SimBackend {
+    profile: SimProfile,
+    tokenizer: SimTokenizer,
+}
+
+impl SimBackend {
+    /// A backend modelling `profile`.
+    pub fn new(profile: SimProfile) -> Self {
+        SimBackend { profile, tokenizer: SimTokenizer::new() }
+    }
+
+    /// The token generated at output position `pos` for `seed`.
+    pub fn token_at(&self, seed: u64, pos: usize, eos_allowed: bool) -> TokenId {
+        let r = splitmix64(seed ^ splitmix64(pos as u64 + 1));
+        if eos_allowed && r % EOS_ONE_IN == 0 {
+            SimTokenizer::EOS
+        } else {
+            self.tokenizer.word_token(r >> 8)
+        }
+    }
+}
+
+impl Backend for SimBackend {
+    fn execute(&mut self, batch: &[SeqView<'_>]) -> StepOutput {
+        let shape = StepShape::of(batch);
+        let sampled = batch
+            .iter()
+            .filter(|s| s.sched.sample)
+            .map(|s| (s.sched.id, self.token_at(s.params.seed, s.num_output_tokens, s.eos_allowed)))
+            .collect();
+        StepOutput { sampled, model_time: Some(step_time(&self.profile, &shape)) }
+    }
+}
+
+/// SplitMix64 finalizer: a cheap, well-mixed 64-bit hash.
+pub fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}

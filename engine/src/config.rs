@@ -1,0 +1,220 @@
+//! Engine configuration: vLLM-named command-line flags, resolved and validated.
+//!
+//! [`EngineArgs`] is what the user typed; [`EngineConfig::from_args`] resolves defaults that
+//! depend on the backend (served model name, context length, KV capacity) and rejects
+//! impossible settings with an error naming the flag, the value and the reason.
+
+use std::net::SocketAddr;
+
+use clap::{Parser, ValueEnum};
+
+use crate::backend::sim::{self, SimProfile};
+use crate::error::ConfigError;
+use crate::scheduler::SchedulerConfig;
+
+/// Which executor runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    /// Calibrated GPU timing model (no weights, deterministic words).
+    Sim,
+}
+
+/// Command-line flags. Names follow vLLM's `vllm serve` where vLLM has the flag.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "switchyard-engine", version, about = "Switchyard's bundled LLM engine (OpenAI-compatible)")]
+pub struct EngineArgs {
+    /// Address to bind.
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: String,
+    /// Port to bind (0 picks a free port, printed at start).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Executor.
+    #[arg(long, value_enum, default_value = "sim")]
+    pub backend: BackendKind,
+    /// Model path (cpu backend) or model name (sim: the default served name).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Name clients use in `model`; defaults to --model, or the sim profile's model.
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// GPU + model the sim backend models (see `engine/README.md`).
+    #[arg(long, default_value = "h100-llama3-8b")]
+    pub sim_profile: String,
+    /// Tensor-parallel degree (sim: overrides the profile's).
+    #[arg(long)]
+    pub tensor_parallel_size: Option<usize>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Token budget of one scheduler step.
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: usize,
+    /// Maximum concurrently running requests.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Maximum prompt + output tokens (default: the model's context length).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Number of KV blocks, instead of what memory allows.
+    #[arg(long)]
+    pub num_gpu_blocks_override: Option<usize>,
+    /// Share of GPU memory for weights + KV cache (sim).
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
+    /// Disable automatic prefix caching.
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+    /// Seed of requests that do not give one.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl EngineArgs {
+    /// Defaults, as if no flag was given (handy in tests).
+    pub fn defaults() -> Self {
+        EngineArgs::parse_from(["switchyard-engine"])
+    }
+}
+
+/// Resolved, validated configuration.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Listen address.
+    pub listen: SocketAddr,
+    /// Backend.
+    pub backend: BackendKind,
+    /// Served model name.
+    pub served_model_name: String,
+    /// Sim profile (with TP applied).
+    pub sim_profile: SimProfile,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// KV blocks.
+    pub num_blocks: usize,
+    /// Scheduler limits.
+    pub scheduler: SchedulerConfig,
+    /// Prefix caching on?
+    pub enable_prefix_caching: bool,
+    /// Default request seed.
+    pub seed: u64,
+}
+
+fn invalid(field: &'static str, value: impl ToString, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { field, value: value.to_string(), reason: reason.into() }
+}
+
+impl EngineConfig {
+    /// Resolve and validate flags.
+    pub fn from_args(a: &EngineArgs) -> Result<Self, ConfigError> {
+        let ip: std::net::IpAddr =
+            a.host.parse().map_err(|_| invalid("--host", &a.host, "must be an IP address"))?;
+        let mut profile = sim::profile(&a.sim_profile).ok_or_else(|| {
+            invalid("--sim-profile", &a.sim_profile, format!("unknown profile; one of {}", sim::PROFILE_NAMES.join(", ")))
+        })?;
+        if let Some(tp) = a.tensor_parallel_size {
+            if !(1..=64).contains(&tp) {
+                return Err(invalid("--tensor-parallel-size", tp, "must be between 1 and 64"));
+            }
+            profile.tp = tp;
+        }
+        if !a.block_size.is_power_of_two() || a.block_size > 256 {
+            return Err(invalid("--block-size", a.block_size, "must be a power of two between 1 and 256"));
+        }
+        if a.max_num_seqs == 0 {
+            return Err(invalid("--max-num-seqs", 0, "must be at least 1"));
+        }
+        if a.max_num_batched_tokens < a.max_num_seqs {
+            return Err(invalid(
+                "--max-num-batched-tokens",
+                a.max_num_batched_tokens,
+                format!("must be >= --max-num-seqs ({})", a.max_num_seqs),
+            ));
+        }
+        let max_model_len = a.max_model_len.unwrap_or(profile.model.max_context);
+        if max_model_len < 2 {
+            return Err(invalid("--max-model-len", max_model_len, "must be at least 2"));
+        }
+        if !(a.gpu_memory_utilization > 0.0 && a.gpu_memory_utilization <= 1.0) {
+            return Err(invalid("--gpu-memory-utilization", a.gpu_memory_utilization, "must be in (0, 1]"));
+        }
+        let num_blocks = match a.num_gpu_blocks_override {
+            Some(0) => return Err(invalid("--num-gpu-blocks-override", 0, "must be at least 1")),
+            Some(n) => n,
+            None => sim::kv_cache_blocks(&profile, a.block_size, a.gpu_memory_utilization).ok_or_else(|| {
+                invalid(
+                    "--tensor-parallel-size",
+                    profile.tp,
+                    format!("{} does not fit on {} x {}", profile.model.name, profile.tp, profile.gpu.name),
+                )
+            })?,
+        };
+        let served_model_name = a
+            .served_model_name
+            .clone()
+            .or_else(|| a.model.clone())
+            .unwrap_or_else(|| profile.model.name.to_string());
+        Ok(EngineConfig {
+            listen: SocketAddr::new(ip, a.port),
+            backend: a.backend,
+            served_model_name,
+            sim_profile: profile,
+            block_size: a.block_size,
+            num_blocks,
+            scheduler: SchedulerConfig {
+                max_num_batched_tokens: a.max_num_batched_tokens,
+                max_num_seqs: a.max_num_seqs,
+                max_model_len,
+            },
+            enable_prefix_caching: !a.no_enable_prefix_caching,
+            seed: a.seed,
+        })
+    }
+
+    /// Tokens the KV cache holds in all.
+    pub fn kv_capacity_tokens(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(flags: &[&str]) -> Result<EngineConfig, String> {
+        let mut argv = vec!["switchyard-engine"];
+        argv.extend_from_slice(flags);
+        let args = EngineArgs::try_parse_from(argv).map_err(|e| e.to_string())?;
+        EngineConfig::from_args(&args).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn defaults_follow_vllm() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(c.listen.port(), 8000);
+        assert_eq!(c.block_size, 16);
+        assert_eq!(c.scheduler.max_num_seqs, 256);
+        assert_eq!(c.scheduler.max_model_len, 8192);
+        assert_eq!(c.served_model_name, "meta-llama/Meta-Llama-3-8B-Instruct");
+        assert!(c.enable_prefix_caching);
+        assert!(c.num_blocks > 20_000, "an H100 holds ~400k Llama-3-8B tokens: {}", c.num_blocks);
+    }
+
+    #[test]
+    fn errors_name_the_flag_and_value() {
+        let cases: &[(&[&str], &str)] = &[
+            (&["--sim-profile", "tpu-v9"], "--sim-profile: unknown profile"),
+            (&["--block-size", "12"], "--block-size"),
+            (&["--max-num-seqs", "0"], "--max-num-seqs"),
+            (&["--max-num-batched-tokens", "8", "--max-num-seqs", "16"], "--max-num-batched-tokens"),
+            (&["--num-gpu-blocks-override", "0"], "--num-gpu-blocks-override"),
+            (&["--sim-profile", "h100x4-llama3-70b", "--tensor-parallel-size", "1"], "does not fit"),
+            (&["--host", "localhost:80"], "--host"),
+            (&["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        ];
+        for (flags, want) in cases {
+            let err = parse(flags).unwrap_err();
+            assert!(err.contains(want), "{flags:?}: {err}");
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! Errors of the engine library, and their mapping to HTTP responses.
+//!
+//! One table ([`ApiError::status`], [`ApiError::error_type`]) maps every API error to a
+//! status code and a stable type label; bodies use the OpenAI error shape
+//! `{"error": {"message", "type", "param", "code"}}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+
+/// A flag or setting is invalid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// `field` has an unusable `value`.
+    #[error("{field}: {reason} (got {value})")]
+    Invalid {
+        /// Flag name.
+        field: &'static str,
+        /// Given value.
+        value: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// An error answered to an API client.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApiError {
+    /// The request is malformed or violates a limit (400).
+    #[error("{message}")]
+    InvalidRequest {
+        /// The offending field, when there is one.
+        param: Option<String>,
+        /// What is wrong, naming the field, the limit and the value.
+        message: String,
+    },
+    /// The model is not served here (404).
+    #[error("The model `{0}` does not exist.")]
+    ModelNotFound(String),
+    /// The engine is shutting down (503).
+    #[error("the engine is shutting down")]
+    Unavailable,
+}
+
+impl ApiError {
+    /// A 400 about `param`.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        ApiError::InvalidRequest { param: Some(param.into()), message: message.into() }
+    }
+
+    /// HTTP status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
+            ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// OpenAI error `type`, also a stable label.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            ApiError::InvalidRequest { .. } => "invalid_request_error",
+            ApiError::ModelNotFound(_) => "not_found_error",
+            ApiError::Unavailable => "service_unavailable",
+        }
+    }
+
+    /// OpenAI error `code`.
+    pub fn code(&self) -> Option<&'static str> {
+        match self {
+            ApiError::InvalidRequest { .. } => None,
+            ApiError::ModelNotFound(_) => Some("model_not_found"),
+            ApiError::Unavailable => None,
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> serde_json::Value {
+        let param = match self {
+            ApiError::InvalidRequest { param, .. } => param.clone(),
+            ApiError::ModelNotFound(_) => Some("model".into()),
+            ApiError::Unavailable => None,
+        };
+        serde_json::json!({
+            "error": {
+                "message": self.to_string(),
+                "type": self.error_type(),
+                "param": param,
+                "code": self.code(),
+            }
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status(), axum::Json(self.body())).into_response()
+    }
+}

@@ -1,0 +1,75 @@
+//! # switchyard-engine
+//!
+//! Switchyard's bundled LLM engine. It behaves like a vLLM pod — OpenAI API, continuous
+//! batching with chunked prefill, a paged KV cache with prefix caching, preemption, vLLM's
+//! metric names — so the gateway, the load generator and every routing experiment can
+//! run against it. Backends plug in under one scheduler and one block pool:
+//! `sim` models a GPU's step times (an 8-pod H100 cluster runs on a laptop).
+//!
+//! Layout: [`kv`] (block pool, pure) → [`scheduler`] (step planning, pure) →
+//! [`backend`] (executes a step) → [`core`] (the three together, stepped by a caller) →
+//! [`runtime`] (the thread that paces the core) → [`server`] (HTTP).
+
+pub mod backend;
+pub mod config;
+pub mod core;
+pub mod error;
+pub mod kv;
+pub mod metrics;
+pub mod runtime;
+pub mod scheduler;
+pub mod server;
+pub mod tokenizer;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::serve::ListenerExt;
+use tokio::net::TcpListener;
+
+pub use config::{EngineArgs, EngineConfig};
+
+/// A built engine: its HTTP routes and the thread behind them.
+pub struct Engine {
+    /// The axum router (usable without a socket in tests).
+    pub router: axum::Router,
+    /// Shared handler state.
+    pub state: Arc<server::AppState>,
+    /// The engine thread; it exits once the router and state are dropped.
+    pub thread: std::thread::JoinHandle<()>,
+}
+
+/// Build the engine a configuration describes and start its thread.
+pub fn build(cfg: &EngineConfig) -> anyhow::Result<Engine> {
+    let registry = prometheus::Registry::new();
+    let metrics = metrics::EngineMetrics::new(&registry, &cfg.served_model_name, cfg.block_size, cfg.num_blocks)?;
+    let (core, tokenizer) = core::EngineCore::from_config(cfg);
+    let (handle, thread) = runtime::spawn(core, metrics);
+    let limits = server::openai::Limits {
+        max_model_len: cfg.scheduler.max_model_len,
+        kv_capacity_tokens: cfg.kv_capacity_tokens(),
+        block_size: cfg.block_size,
+    };
+    let state = Arc::new(server::AppState::new(
+        handle,
+        tokenizer,
+        cfg.served_model_name.clone(),
+        limits,
+        cfg.seed,
+        registry,
+    ));
+    Ok(Engine { router: server::router(state.clone()), state, thread })
+}
+
+/// Serve `engine` on `listener` until `shutdown` resolves (in-flight responses finish).
+pub async fn serve(
+    engine: Engine,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let listener = listener.tap_io(|tcp| {
+        // SSE chunks are small: never let Nagle hold them back.
+        let _ = tcp.set_nodelay(true);
+    });
+    axum::serve(listener, engine.router).with_graceful_shutdown(shutdown).await
+}

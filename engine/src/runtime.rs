@@ -1,0 +1,180 @@
+//! The runtime: a dedicated thread that owns the [`EngineCore`] and paces it.
+//!
+//! HTTP handlers talk to it through an [`EngineHandle`]: `submit` queues a tokenized
+//! request and returns a [`RequestStream`] of [`Event`]s. Dropping the stream before the
+//! request finished — the client went away, during prefill or decode — sends an abort, and
+//! the thread frees the request's blocks before its next step.
+//!
+//! Loop: drain commands (block when idle) → step → for a simulated backend, sleep until
+//! `step start + modelled step time` (a plain OS thread sleeps with ~0.1 ms precision,
+//! tokio's timer has 1 ms granularity, too coarse for 7 ms steps) → deliver events and
+//! record TTFT / ITL / e2e → publish gauges.
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use crate::core::EngineCore;
+use crate::metrics::EngineMetrics;
+use crate::scheduler::{Event, Request, RequestId, SamplingParams};
+use crate::tokenizer::TokenId;
+
+enum Command {
+    Add { req: Request, arrival: Instant, events: UnboundedSender<Event> },
+    Abort(RequestId),
+}
+
+/// Cloneable sender side of the runtime.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+}
+
+/// A submitted request's events; dropping it early aborts the request.
+pub struct RequestStream {
+    /// The request id.
+    pub id: RequestId,
+    rx: UnboundedReceiver<Event>,
+    abort: Option<mpsc::Sender<Command>>,
+}
+
+impl RequestStream {
+    /// Next event; `None` if the engine stopped.
+    pub async fn next(&mut self) -> Option<Event> {
+        let ev = self.rx.recv().await;
+        if matches!(ev, Some(Event::Finished { .. }) | None) {
+            self.abort = None;
+        }
+        ev
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if let Some(tx) = self.abort.take() {
+            let _ = tx.send(Command::Abort(self.id));
+        }
+    }
+}
+
+/// The engine thread stopped.
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("the engine thread has stopped")]
+pub struct EngineStopped;
+
+impl EngineHandle {
+    /// Queue a request; `arrival` is when it reached the server (TTFT counts from there).
+    pub fn submit(
+        &self,
+        id: RequestId,
+        prompt: Vec<TokenId>,
+        params: SamplingParams,
+        arrival: Instant,
+    ) -> Result<RequestStream, EngineStopped> {
+        let (etx, erx) = unbounded_channel();
+        let req = Request::new(id, prompt, params);
+        self.tx.send(Command::Add { req, arrival, events: etx }).map_err(|_| EngineStopped)?;
+        Ok(RequestStream { id, rx: erx, abort: Some(self.tx.clone()) })
+    }
+}
+
+struct Sink {
+    events: UnboundedSender<Event>,
+    arrival: Instant,
+    last_token: Option<Instant>,
+}
+
+/// Start the engine thread. It stops when every [`EngineHandle`] is dropped and no
+/// request is left.
+pub fn spawn(core: EngineCore, metrics: EngineMetrics) -> (EngineHandle, thread::JoinHandle<()>) {
+    let (tx, rx) = mpsc::channel();
+    let join = thread::Builder::new()
+        .name("engine-core".into())
+        .spawn(move || run(core, metrics, rx))
+        .expect("spawn engine thread");
+    (EngineHandle { tx }, join)
+}
+
+fn run(mut core: EngineCore, mut metrics: EngineMetrics, rx: mpsc::Receiver<Command>) {
+    let mut sinks: HashMap<RequestId, Sink> = HashMap::new();
+    loop {
+        if core.scheduler.is_idle() {
+            publish(&core, &mut metrics);
+            match rx.recv() {
+                Ok(cmd) => handle(cmd, &mut core, &mut sinks, &metrics),
+                Err(_) => return,
+            }
+        }
+        while let Ok(cmd) = rx.try_recv() {
+            handle(cmd, &mut core, &mut sinks, &metrics);
+        }
+        let started = Instant::now();
+        let Some(step) = core.step() else {
+            // Requests exist but none can be scheduled: wait for a command rather than spin.
+            if let Ok(cmd) = rx.recv_timeout(Duration::from_millis(1)) {
+                handle(cmd, &mut core, &mut sinks, &metrics);
+            }
+            continue;
+        };
+        if let Some(t) = step.model_time {
+            let deadline = started + t;
+            let now = Instant::now();
+            if deadline > now {
+                thread::sleep(deadline - now);
+            }
+        }
+        let now = Instant::now();
+        for ev in step.events {
+            deliver(ev, now, &mut sinks, &metrics);
+        }
+        publish(&core, &mut metrics);
+    }
+}
+
+fn handle(cmd: Command, core: &mut EngineCore, sinks: &mut HashMap<RequestId, Sink>, metrics: &EngineMetrics) {
+    match cmd {
+        Command::Add { req, arrival, events } => {
+            sinks.insert(req.id, Sink { events, arrival, last_token: None });
+            core.scheduler.add(req);
+        }
+        Command::Abort(id) => {
+            if core.scheduler.abort(id) {
+                metrics.finished(crate::scheduler::FinishReason::Abort);
+            }
+            sinks.remove(&id);
+        }
+    }
+}
+
+fn deliver(ev: Event, now: Instant, sinks: &mut HashMap<RequestId, Sink>, metrics: &EngineMetrics) {
+    let id = match &ev {
+        Event::Token { id, .. } | Event::Finished { id, .. } => *id,
+    };
+    let finished = match &ev {
+        Event::Finished { reason, .. } => Some(*reason),
+        Event::Token { .. } => None,
+    };
+    let Some(sink) = sinks.get_mut(&id) else { return };
+    match sink.last_token {
+        None => metrics.ttft.observe((now - sink.arrival).as_secs_f64()),
+        Some(last) => metrics.itl.observe((now - last).as_secs_f64()),
+    }
+    sink.last_token = Some(now);
+    if let Some(reason) = finished {
+        metrics.e2e.observe((now - sink.arrival).as_secs_f64());
+        metrics.finished(reason);
+    }
+    // A closed receiver means the client is gone; its abort is already on the way.
+    let _ = sink.events.send(ev);
+    if finished.is_some() {
+        sinks.remove(&id);
+    }
+}
+
+fn publish(core: &EngineCore, metrics: &mut EngineMetrics) {
+    let s = &core.scheduler;
+    metrics.observe_scheduler(s.num_running(), s.num_waiting(), s.pool().usage(), s.stats());
+}

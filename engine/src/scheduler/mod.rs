@@ -1,0 +1,384 @@
+//! Continuous-batching scheduler with chunked prefill and preemption by recompute.
+//!
+//! The scheduler is pure: it owns the waiting and running queues and the
+//! [`BlockPool`](crate::kv::BlockPool), plans one step at a time and applies the step's
+//! sampled tokens. It has no clock, no channels and no threads; the runtime around it
+//! ([`crate::runtime`]) does the I/O.
+//!
+//! ## One step ([`Scheduler::schedule`]), vLLM V1's unified policy
+//! 1. **Running requests first**, oldest first. Each asks for the tokens it still has to
+//!    compute: one for a decode, the rest of its prompt for a prefill cut short by the
+//!    budget. Each takes at most what is left of `max_num_batched_tokens`.
+//! 2. If a running request needs a new block and none is free, the **youngest** running
+//!    request is preempted: its blocks are freed and it goes back to the front of the
+//!    waiting queue, to be recomputed (prompt and generated tokens) later. If the youngest
+//!    is the request itself, it is the one preempted.
+//! 3. If nothing was preempted, **waiting requests** are admitted in arrival order while
+//!    budget, `max_num_seqs` and free blocks allow. A newly admitted request first looks up
+//!    its full blocks in the prefix cache (always leaving at least one token to compute, so
+//!    there are logits to sample from); its prefill is **chunked** when the remaining budget
+//!    is smaller than its uncached tokens. Admission is FCFS: the first request that does not
+//!    fit stops admission.
+//!
+//! [`Scheduler::apply`] then advances every scheduled request, caches its newly full
+//! blocks, appends sampled tokens, checks stop conditions and frees finished requests.
+//!
+//! ## Knobs ([`SchedulerConfig`])
+//! - `max_num_batched_tokens`: tokens computed per step (decodes + prefill chunks).
+//! - `max_num_seqs`: requests running at once.
+//! - `max_model_len`: a request ends (`length`) when prompt + output reaches it.
+
+pub mod request;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+pub use request::{FinishReason, OutputText, Request, RequestId, SamplingParams};
+
+use crate::kv::{extend_block_hashes, BlockPool};
+use crate::tokenizer::{TokenId, Tokenizer};
+
+/// Scheduler limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Token budget of one step.
+    pub max_num_batched_tokens: usize,
+    /// Maximum running requests.
+    pub max_num_seqs: usize,
+    /// Maximum prompt + output length.
+    pub max_model_len: usize,
+}
+
+/// One request's share of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduledSeq {
+    /// Which request.
+    pub id: RequestId,
+    /// Tokens already computed before this step (the position of the first new token).
+    pub start: usize,
+    /// Tokens to compute in this step.
+    pub len: usize,
+    /// Whether this step reaches the end of the known tokens, so a token is sampled.
+    pub sample: bool,
+}
+
+/// The plan of one step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    /// Scheduled requests, running ones first.
+    pub seqs: Vec<ScheduledSeq>,
+    /// Requests preempted while planning.
+    pub preempted: Vec<RequestId>,
+}
+
+impl StepPlan {
+    /// Total tokens computed in the step.
+    pub fn num_batched_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.len).sum()
+    }
+
+    /// True when nothing is scheduled.
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+}
+
+/// What a backend sees of one scheduled request.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqView<'a> {
+    /// The scheduling decision.
+    pub sched: ScheduledSeq,
+    /// All tokens known so far (prompt + output); the step computes `tokens[start..start+len]`.
+    pub tokens: &'a [TokenId],
+    /// Block table covering at least `start + len` tokens.
+    pub block_table: &'a [crate::kv::BlockId],
+    /// Sampling parameters.
+    pub params: &'a SamplingParams,
+    /// Tokens generated so far.
+    pub num_output_tokens: usize,
+    /// Whether EOS may be sampled now (`ignore_eos`, `min_tokens`).
+    pub eos_allowed: bool,
+}
+
+/// Something the runtime must tell a client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// New output of a request (text may be empty while held back).
+    Token {
+        /// Which request.
+        id: RequestId,
+        /// New text.
+        text: String,
+    },
+    /// The request ended; no further events follow.
+    Finished {
+        /// Which request.
+        id: RequestId,
+        /// Remaining text.
+        text: String,
+        /// Why.
+        reason: FinishReason,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Generated tokens.
+        completion_tokens: usize,
+        /// Prompt tokens that were served from the prefix cache.
+        cached_tokens: usize,
+    },
+}
+
+/// Monotonic counters kept by the scheduler (exported as vLLM metrics by the runtime).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    /// Tokens looked up in the prefix cache.
+    pub prefix_queries: u64,
+    /// Tokens found in the prefix cache.
+    pub prefix_hits: u64,
+    /// Preemptions.
+    pub preemptions: u64,
+    /// Prompt tokens of requests that produced their first token.
+    pub prompt_tokens: u64,
+    /// Generated tokens.
+    pub generation_tokens: u64,
+}
+
+/// The scheduler. See the module documentation.
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    pool: BlockPool,
+    tokenizer: Arc<dyn Tokenizer>,
+    requests: HashMap<RequestId, Request>,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    /// A scheduler over `pool`.
+    pub fn new(cfg: SchedulerConfig, pool: BlockPool, tokenizer: Arc<dyn Tokenizer>) -> Self {
+        Scheduler {
+            cfg,
+            pool,
+            tokenizer,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            stats: SchedulerStats::default(),
+        }
+    }
+
+    /// Queue a request. Its id must be new.
+    pub fn add(&mut self, req: Request) {
+        debug_assert!(!self.requests.contains_key(&req.id));
+        self.waiting.push_back(req.id);
+        self.requests.insert(req.id, req);
+    }
+
+    /// Remove a request wherever it is and free its blocks. Returns whether it existed.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        let Some(req) = self.requests.remove(&id) else { return false };
+        self.pool.free(&req.block_table);
+        self.waiting.retain(|&w| w != id);
+        self.running.retain(|&r| r != id);
+        true
+    }
+
+    /// Requests waiting to be (re)admitted.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Requests holding KV blocks and being computed.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// No request at all.
+    pub fn is_idle(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    /// The block pool (read-only).
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> SchedulerStats {
+        self.stats
+    }
+
+    /// The limits.
+    pub fn config(&self) -> SchedulerConfig {
+        self.cfg
+    }
+
+    /// A request by id.
+    pub fn request(&self, id: RequestId) -> Option<&Request> {
+        self.requests.get(&id)
+    }
+
+    /// Plan the next step (see the module documentation).
+    pub fn schedule(&mut self) -> StepPlan {
+        let mut plan = StepPlan::default();
+        let mut budget = self.cfg.max_num_batched_tokens;
+
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let req = &self.requests[&id];
+            let n = (req.tokens.len() - req.num_computed_tokens).min(budget);
+            let need = self.pool.blocks_for(req.num_computed_tokens + n) - req.block_table.len();
+            let mut scheduled_self = true;
+            while self.pool.num_free_blocks() < need {
+                let victim = *self.running.last().expect("running is not empty");
+                self.preempt(victim);
+                plan.preempted.push(victim);
+                if victim == id {
+                    scheduled_self = false;
+                    break;
+                }
+            }
+            if !scheduled_self {
+                break;
+            }
+            let blocks = self.pool.allocate(need).expect("checked free blocks");
+            let req = self.requests.get_mut(&id).expect("running request exists");
+            req.block_table.extend(blocks);
+            let start = req.num_computed_tokens;
+            plan.seqs.push(ScheduledSeq { id, start, len: n, sample: start + n == req.tokens.len() });
+            budget -= n;
+            i += 1;
+        }
+
+        if plan.preempted.is_empty() {
+            while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+                let Some(&id) = self.waiting.front() else { break };
+                match self.admit(id, budget) {
+                    Some(seq) => {
+                        self.waiting.pop_front();
+                        self.running.push(id);
+                        budget -= seq.len;
+                        plan.seqs.push(seq);
+                    }
+                    None => break,
+                }
+            }
+        }
+        plan
+    }
+
+    /// Try to start a waiting request within `budget` tokens.
+    fn admit(&mut self, id: RequestId, budget: usize) -> Option<ScheduledSeq> {
+        let bs = self.pool.block_size();
+        let prefix_caching = self.pool.prefix_caching();
+        let req = self.requests.get_mut(&id).expect("waiting request exists");
+        debug_assert_eq!(req.num_computed_tokens, 0);
+        let total = req.tokens.len();
+        // Look up the prefix cache: full blocks only, and never the very last token.
+        let hits = if prefix_caching {
+            extend_block_hashes(&mut req.block_hashes, &req.tokens, bs);
+            let max_blocks = (total - 1) / bs;
+            self.pool.find_cached_prefix(&req.block_hashes[..max_blocks.min(req.block_hashes.len())])
+        } else {
+            Vec::new()
+        };
+        let hits_len = hits.len();
+        let cached = hits_len * bs;
+        let n = (total - cached).min(budget);
+        let need = self.pool.blocks_for(cached + n) - hits.len();
+        // Hits that are currently free cannot also serve as fresh blocks.
+        let free_hits = hits.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
+        if self.pool.num_free_blocks() - free_hits < need {
+            return None;
+        }
+        self.pool.touch(&hits);
+        let fresh = self.pool.allocate(need).expect("checked free blocks");
+        req.block_table.extend(hits);
+        req.block_table.extend(fresh);
+        req.num_computed_tokens = cached;
+        req.num_cached_tokens = cached;
+        req.num_registered_blocks = hits_len;
+        self.stats.prefix_queries += total as u64;
+        self.stats.prefix_hits += cached as u64;
+        Some(ScheduledSeq { id, start: cached, len: n, sample: cached + n == total })
+    }
+
+    fn preempt(&mut self, id: RequestId) {
+        let req = self.requests.get_mut(&id).expect("preempted request exists");
+        self.pool.free(&req.block_table);
+        req.block_table.clear();
+        req.num_computed_tokens = 0;
+        req.num_registered_blocks = 0;
+        req.num_preemptions += 1;
+        self.running.retain(|&r| r != id);
+        self.waiting.push_front(id);
+        self.stats.preemptions += 1;
+    }
+
+    /// What the backend needs for `plan`, in plan order.
+    pub fn batch<'a>(&'a self, plan: &StepPlan) -> Vec<SeqView<'a>> {
+        plan.seqs
+            .iter()
+            .map(|s| {
+                let r = &self.requests[&s.id];
+                SeqView {
+                    sched: *s,
+                    tokens: &r.tokens,
+                    block_table: &r.block_table,
+                    params: &r.params,
+                    num_output_tokens: r.num_output_tokens(),
+                    eos_allowed: r.eos_allowed(),
+                }
+            })
+            .collect()
+    }
+
+    /// Apply a computed step: advance progress, cache full blocks, append `sampled`
+    /// tokens (one per scheduled request with `sample`), finish what is done.
+    pub fn apply(&mut self, plan: &StepPlan, sampled: &[(RequestId, TokenId)]) -> Vec<Event> {
+        let bs = self.pool.block_size();
+        for s in &plan.seqs {
+            let Some(req) = self.requests.get_mut(&s.id) else { continue };
+            req.num_computed_tokens = s.start + s.len;
+            if self.pool.prefix_caching() {
+                let full = req.num_computed_tokens / bs;
+                extend_block_hashes(&mut req.block_hashes, &req.tokens[..full * bs], bs);
+                for b in req.num_registered_blocks..full {
+                    self.pool.cache_block(req.block_table[b], req.block_hashes[b]);
+                }
+                req.num_registered_blocks = req.num_registered_blocks.max(full);
+            }
+        }
+        let mut events = Vec::with_capacity(sampled.len());
+        for &(id, token) in sampled {
+            let Some(req) = self.requests.get_mut(&id) else { continue };
+            if req.num_output_tokens() == 0 {
+                self.stats.prompt_tokens += req.num_prompt_tokens as u64;
+            }
+            self.stats.generation_tokens += 1;
+            let finish = req.append_token(token, self.tokenizer.as_ref(), self.cfg.max_model_len);
+            let text = req.output.take_delta(&req.params.stop, finish.is_some());
+            match finish {
+                None => events.push(Event::Token { id, text }),
+                Some(reason) => {
+                    let req = self.requests.remove(&id).expect("exists");
+                    self.pool.free(&req.block_table);
+                    self.running.retain(|&r| r != id);
+                    events.push(Event::Finished {
+                        id,
+                        text,
+                        reason,
+                        prompt_tokens: req.num_prompt_tokens,
+                        completion_tokens: req.num_output_tokens(),
+                        cached_tokens: req.num_cached_tokens,
+                    });
+                }
+            }
+        }
+        events
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,267 @@
+//! The HTTP server: OpenAI-compatible routes over the engine runtime.
+//!
+//! | route | what |
+//! |---|---|
+//! | `GET /health` | 200 while the engine thread runs |
+//! | `GET /v1/models` | the served model |
+//! | `POST /v1/completions` | text completion, streamed (SSE) or not |
+//! | `POST /v1/chat/completions` | chat completion, streamed (SSE) or not |
+//! | `GET /metrics` | Prometheus text, vLLM names |
+//!
+//! A handler parses and validates the body, tokenizes, submits to the engine and turns
+//! the request's events into a response. The response body owns the engine stream: when
+//! the client disconnects, hyper drops the body, the stream's drop aborts the request.
+
+pub mod openai;
+pub mod sse;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use prometheus::{Encoder, Registry, TextEncoder};
+
+use crate::backend::sim::splitmix64;
+use crate::error::ApiError;
+use crate::runtime::{EngineHandle, RequestStream};
+use crate::scheduler::{Event, SamplingParams};
+use crate::tokenizer::{render_chatml, TokenId, Tokenizer};
+use openai::{Limits, PromptInput};
+use sse::{Endpoint, ResponseMeta, Usage};
+
+/// Largest request body accepted (a 1 MiB prompt with room to spare).
+pub const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
+
+/// Everything a handler needs.
+pub struct AppState {
+    /// The engine thread.
+    pub engine: EngineHandle,
+    /// Tokenizer.
+    pub tokenizer: Arc<dyn Tokenizer>,
+    /// Served model name.
+    pub model: String,
+    /// Request limits.
+    pub limits: Limits,
+    /// Seed mixed into requests without a seed.
+    pub seed: u64,
+    /// Metrics registry served on `/metrics`.
+    pub registry: Registry,
+    next_id: AtomicU64,
+    started: u64,
+}
+
+impl AppState {
+    /// Build the state.
+    pub fn new(
+        engine: EngineHandle,
+        tokenizer: Arc<dyn Tokenizer>,
+        model: String,
+        limits: Limits,
+        seed: u64,
+        registry: Registry,
+    ) -> Self {
+        AppState { engine, tokenizer, model, limits, seed, registry, next_id: AtomicU64::new(1), started: unix_now() }
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// The application's routes.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/metrics", get(metrics))
+        .fallback(|| async {
+            let err = ApiError::InvalidRequest { param: None, message: "no such route".into() };
+            (StatusCode::NOT_FOUND, Json(err.body()))
+        })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(serde_json::json!({
+        "object": "list",
+        "data": [{
+            "id": st.model,
+            "object": "model",
+            "created": st.started,
+            "owned_by": "switchyard",
+            "root": st.model,
+            "max_model_len": st.limits.max_model_len,
+        }]
+    }))
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let mut buf = Vec::new();
+    match TextEncoder::new().encode(&st.registry.gather(), &mut buf) {
+        Ok(()) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], buf).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+/// A validated request ready for the engine.
+struct Prepared {
+    prompt: Vec<TokenId>,
+    params: SamplingParams,
+    stream: bool,
+    include_usage: bool,
+}
+
+impl AppState {
+    fn check_model(&self, model: &Option<String>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if m != &self.model => Err(ApiError::ModelNotFound(m.clone())),
+            _ => Ok(()),
+        }
+    }
+
+    fn prepare(
+        &self,
+        common: &openai::CommonParams,
+        prompt: Vec<TokenId>,
+        prompt_field: &str,
+        id: u64,
+    ) -> Result<Prepared, ApiError> {
+        let params = openai::sampling_params(common, prompt.len(), prompt_field, self.limits, self.seed ^ splitmix64(id))?;
+        Ok(Prepared {
+            prompt,
+            params,
+            stream: common.stream.unwrap_or(false),
+            include_usage: common.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        })
+    }
+}
+
+async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let arrival = Instant::now();
+    let id = st.next_id.fetch_add(1, Ordering::Relaxed);
+    let prepared = (|| {
+        let (req, common): (openai::CompletionRequest, _) = openai::parse_body(&body)?;
+        st.check_model(&common.model)?;
+        let prompt = match openai::completion_prompt(req.prompt)? {
+            PromptInput::Text(t) => st.tokenizer.encode(&t),
+            PromptInput::Tokens(t) => t,
+        };
+        st.prepare(&common, prompt, "prompt", id)
+    })();
+    execute(st, prepared, Endpoint::Completions, format!("cmpl-{id:016x}"), id, arrival).await
+}
+
+async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let arrival = Instant::now();
+    let id = st.next_id.fetch_add(1, Ordering::Relaxed);
+    let prepared = (|| {
+        let (req, common): (openai::ChatRequest, _) = openai::parse_body(&body)?;
+        st.check_model(&common.model)?;
+        let messages = openai::chat_messages(req.messages)?;
+        let prompt = st.tokenizer.encode(&render_chatml(&messages));
+        st.prepare(&common, prompt, "messages", id)
+    })();
+    execute(st, prepared, Endpoint::Chat, format!("chatcmpl-{id:016x}"), id, arrival).await
+}
+
+async fn execute(
+    st: Arc<AppState>,
+    prepared: Result<Prepared, ApiError>,
+    endpoint: Endpoint,
+    response_id: String,
+    id: u64,
+    arrival: Instant,
+) -> Response {
+    let p = match prepared {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let meta = ResponseMeta { id: response_id, created: unix_now(), model: st.model.clone(), endpoint };
+    let stream = match st.engine.submit(id, p.prompt, p.params, arrival) {
+        Ok(s) => s,
+        Err(_) => return ApiError::Unavailable.into_response(),
+    };
+    if p.stream {
+        sse_response(meta, stream, p.include_usage)
+    } else {
+        collect_response(meta, stream).await
+    }
+}
+
+async fn collect_response(meta: ResponseMeta, mut stream: RequestStream) -> Response {
+    let mut text = String::new();
+    while let Some(ev) = stream.next().await {
+        match ev {
+            Event::Token { text: t, .. } => text.push_str(&t),
+            Event::Finished { text: t, reason, prompt_tokens, completion_tokens, cached_tokens, .. } => {
+                text.push_str(&t);
+                let usage = Usage::new(prompt_tokens, completion_tokens, cached_tokens);
+                return Json(meta.response(&text, reason.as_str(), usage)).into_response();
+            }
+        }
+    }
+    ApiError::Unavailable.into_response()
+}
+
+struct SseState {
+    meta: ResponseMeta,
+    stream: RequestStream,
+    include_usage: bool,
+    first: bool,
+    /// Chunks still to send after the engine finished (usage, `[DONE]`).
+    tail: Vec<Bytes>,
+    done: bool,
+}
+
+fn sse_response(meta: ResponseMeta, stream: RequestStream, include_usage: bool) -> Response {
+    let state = SseState { meta, stream, include_usage, first: true, tail: Vec::new(), done: false };
+    let body = futures_util::stream::unfold(state, |mut s| async move {
+        loop {
+            if let Some(b) = s.tail.pop() {
+                return Some((Ok::<_, std::convert::Infallible>(b), s));
+            }
+            if s.done {
+                return None;
+            }
+            if s.first && s.meta.endpoint == Endpoint::Chat {
+                s.first = false;
+                return Some((Ok(s.meta.chunk(Some(""), true, None)), s));
+            }
+            match s.stream.next().await {
+                Some(Event::Token { text, .. }) => {
+                    if !text.is_empty() {
+                        return Some((Ok(s.meta.chunk(Some(&text), false, None)), s));
+                    }
+                }
+                Some(Event::Finished { text, reason, prompt_tokens, completion_tokens, cached_tokens, .. }) => {
+                    s.done = true;
+                    s.tail.push(Bytes::from_static(sse::DONE));
+                    if s.include_usage {
+                        s.tail.push(s.meta.usage_chunk(Usage::new(prompt_tokens, completion_tokens, cached_tokens)));
+                    }
+                    let content = (!text.is_empty()).then_some(text.as_str());
+                    return Some((Ok(s.meta.chunk(content, false, Some(reason.as_str()))), s));
+                }
+                None => {
+                    s.done = true;
+                    let err = ApiError::Unavailable.body();
+                    return Some((Ok(Bytes::from(format!("data: {err}\n\n"))), s));
+                }
+            }
+        }
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .expect("static response parts")
+}

@@ -1,0 +1,356 @@
+//! OpenAI request types and their validation into engine parameters.
+//!
+//! Parsing goes through `serde_path_to_error`, so a wrong type names its field
+//! (`max_tokens: invalid type: string "ten", expected i64`). Numbers are read as wide
+//! integers and range-checked here, so messages name the limit and the value given.
+
+use serde::Deserialize;
+
+use crate::error::ApiError;
+use crate::scheduler::SamplingParams;
+use crate::tokenizer::{ChatMessage, TokenId};
+
+/// `prompt` of `/v1/completions`: text, a one-element batch, or token ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Plain text.
+    Text(String),
+    /// A batch of texts (only one is supported).
+    Texts(Vec<String>),
+    /// Token ids.
+    Tokens(Vec<i64>),
+    /// A batch of token-id lists (only one is supported).
+    TokenBatches(Vec<Vec<i64>>),
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    /// One stop string.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a final chunk with `usage`.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Fields shared by both endpoints.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CommonParams {
+    /// Model name.
+    pub model: Option<String>,
+    /// Tokens to generate.
+    pub max_tokens: Option<i64>,
+    /// Chat's newer name for `max_tokens`.
+    pub max_completion_tokens: Option<i64>,
+    /// Sampling temperature.
+    pub temperature: Option<f64>,
+    /// Nucleus mass.
+    pub top_p: Option<f64>,
+    /// Top-k (vLLM).
+    pub top_k: Option<i64>,
+    /// Seed.
+    pub seed: Option<i64>,
+    /// Stop strings.
+    pub stop: Option<Stop>,
+    /// Stop token ids (vLLM).
+    pub stop_token_ids: Option<Vec<i64>>,
+    /// Number of choices.
+    pub n: Option<i64>,
+    /// Stream with SSE.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Stream options.
+    pub stream_options: Option<StreamOptions>,
+    /// Keep generating past EOS (vLLM).
+    pub ignore_eos: Option<bool>,
+    /// Minimum tokens before EOS/stop (vLLM).
+    pub min_tokens: Option<i64>,
+    /// Presence penalty (accepted; the sim backend ignores it).
+    pub presence_penalty: Option<f64>,
+    /// Frequency penalty (accepted; the sim backend ignores it).
+    pub frequency_penalty: Option<f64>,
+    /// Log probabilities (not supported yet).
+    pub logprobs: Option<serde_json::Value>,
+    /// Chat: top log probabilities (not supported yet).
+    pub top_logprobs: Option<serde_json::Value>,
+}
+
+/// `POST /v1/completions` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// The prompt.
+    pub prompt: Option<Prompt>,
+}
+
+/// Message content: text or a list of parts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    /// Text.
+    Text(String),
+    /// Parts; only `text` parts are supported.
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// Part type.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Text of a `text` part.
+    pub text: Option<String>,
+}
+
+/// One chat message.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Message {
+    /// Role.
+    pub role: String,
+    /// Content (may be null for assistant messages).
+    pub content: Option<Content>,
+}
+
+/// `POST /v1/chat/completions` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    /// The conversation.
+    pub messages: Option<Vec<Message>>,
+}
+
+/// Parse a JSON body into the endpoint's own fields and the shared ones, naming the
+/// offending field on error. (The two halves are read from one parsed tree rather than
+/// with `#[serde(flatten)]`, which loses the field path.)
+pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<(T, CommonParams), ApiError> {
+    let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| ApiError::InvalidRequest {
+        param: None,
+        message: format!("request body is not valid JSON: {e}"),
+    })?;
+    if !value.is_object() {
+        return Err(ApiError::InvalidRequest { param: None, message: "request body must be a JSON object".into() });
+    }
+    Ok((typed(&value)?, typed(&value)?))
+}
+
+fn typed<T: serde::de::DeserializeOwned>(value: &serde_json::Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        ApiError::invalid(path.clone(), format!("{path}: {inner}"))
+    })
+}
+
+/// Flatten chat messages to text.
+pub fn chat_messages(messages: Option<Vec<Message>>) -> Result<Vec<ChatMessage>, ApiError> {
+    let messages = messages.ok_or_else(|| ApiError::invalid("messages", "messages is required"))?;
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages", "messages must contain at least one message"));
+    }
+    messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].role"),
+                    format!("messages[{i}].role must be one of system, developer, user, assistant, tool; got {:?}", m.role),
+                ));
+            }
+            let content = match m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t,
+                Some(Content::Parts(parts)) => {
+                    let mut s = String::new();
+                    for (j, p) in parts.into_iter().enumerate() {
+                        match (p.kind.as_str(), p.text) {
+                            ("text", Some(t)) => s.push_str(&t),
+                            (kind, _) => {
+                                return Err(ApiError::invalid(
+                                    format!("messages[{i}].content[{j}]"),
+                                    format!("messages[{i}].content[{j}]: only text parts are supported, got type {kind:?}"),
+                                ))
+                            }
+                        }
+                    }
+                    s
+                }
+            };
+            Ok(ChatMessage { role: m.role, content })
+        })
+        .collect()
+}
+
+/// What the engine knows of a prompt before tokenizing.
+pub enum PromptInput {
+    /// Text to tokenize.
+    Text(String),
+    /// Token ids as given.
+    Tokens(Vec<TokenId>),
+}
+
+/// Check a completions `prompt`.
+pub fn completion_prompt(prompt: Option<Prompt>) -> Result<PromptInput, ApiError> {
+    let tokens = |ids: Vec<i64>| -> Result<PromptInput, ApiError> {
+        ids.into_iter()
+            .map(|t| {
+                u32::try_from(t)
+                    .map_err(|_| ApiError::invalid("prompt", format!("prompt token ids must be in 0..2^32, got {t}")))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(PromptInput::Tokens)
+    };
+    let input = match prompt.ok_or_else(|| ApiError::invalid("prompt", "prompt is required"))? {
+        Prompt::Text(t) => PromptInput::Text(t),
+        Prompt::Texts(mut v) if v.len() == 1 => PromptInput::Text(v.remove(0)),
+        Prompt::TokenBatches(mut v) if v.len() == 1 => tokens(v.remove(0))?,
+        Prompt::Tokens(v) => tokens(v)?,
+        Prompt::Texts(_) | Prompt::TokenBatches(_) => {
+            return Err(ApiError::invalid("prompt", "batched prompts are not supported yet: send one prompt per request"))
+        }
+    };
+    match &input {
+        PromptInput::Text(t) if t.is_empty() => Err(ApiError::invalid("prompt", "prompt must not be empty")),
+        PromptInput::Tokens(t) if t.is_empty() => Err(ApiError::invalid("prompt", "prompt must not be empty")),
+        _ => Ok(input),
+    }
+}
+
+/// Limits a request is validated against.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Context length.
+    pub max_model_len: usize,
+    /// Total KV token slots.
+    pub kv_capacity_tokens: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+}
+
+/// Validate the sampling fields against a prompt of `prompt_len` tokens.
+pub fn sampling_params(
+    c: &CommonParams,
+    prompt_len: usize,
+    prompt_field: &str,
+    limits: Limits,
+    default_seed: u64,
+) -> Result<SamplingParams, ApiError> {
+    if let Some(n) = c.n {
+        if n != 1 {
+            return Err(ApiError::invalid("n", format!("n must be 1 (several choices are not supported yet), got {n}")));
+        }
+    }
+    match &c.logprobs {
+        None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => {}
+        Some(v) => return Err(ApiError::invalid("logprobs", format!("logprobs are not supported yet, got {v}"))),
+    }
+    if c.top_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::invalid("top_logprobs", "top_logprobs are not supported yet"));
+    }
+    let max_len = limits.max_model_len;
+    if prompt_len >= max_len {
+        return Err(ApiError::invalid(
+            prompt_field,
+            format!(
+                "This model's maximum context length is {max_len} tokens. However, your prompt has {prompt_len} tokens, \
+                 which leaves no room for output."
+            ),
+        ));
+    }
+    let room = max_len - prompt_len;
+    let (field, requested) = match (c.max_completion_tokens, c.max_tokens) {
+        (Some(v), _) => ("max_completion_tokens", Some(v)),
+        (None, v) => ("max_tokens", v),
+    };
+    let max_tokens = match requested {
+        None => room,
+        Some(v) if v < 1 => return Err(ApiError::invalid(field, format!("{field} must be at least 1, got {v}"))),
+        Some(v) if v as u64 > room as u64 => {
+            return Err(ApiError::invalid(
+                field,
+                format!(
+                    "This model's maximum context length is {max_len} tokens. However, you requested {} tokens \
+                     ({prompt_len} in the messages, {v} in the completion). Please reduce the length of the messages \
+                     or completion ({field} must be <= {room}, got {v}).",
+                    prompt_len as u64 + v as u64
+                ),
+            ))
+        }
+        Some(v) => v as usize,
+    };
+    let needed_blocks = (prompt_len + max_tokens).div_ceil(limits.block_size);
+    let have_blocks = limits.kv_capacity_tokens / limits.block_size;
+    if needed_blocks > have_blocks {
+        return Err(ApiError::invalid(
+            field,
+            format!(
+                "the request needs {} tokens of KV cache ({prompt_len} prompt + {max_tokens} output) but the whole cache \
+                 holds {} tokens; lower {field} or the prompt",
+                prompt_len + max_tokens,
+                limits.kv_capacity_tokens
+            ),
+        ));
+    }
+    let temperature = c.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid("temperature", format!("temperature must be in [0, 2], got {temperature}")));
+    }
+    let top_p = c.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid("top_p", format!("top_p must be in (0, 1], got {top_p}")));
+    }
+    let top_k = c.top_k.unwrap_or(0);
+    if top_k < -1 || top_k > i32::MAX as i64 {
+        return Err(ApiError::invalid("top_k", format!("top_k must be -1, 0 (off) or a positive count, got {top_k}")));
+    }
+    for (name, v) in [("presence_penalty", c.presence_penalty), ("frequency_penalty", c.frequency_penalty)] {
+        if let Some(v) = v {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(ApiError::invalid(name, format!("{name} must be in [-2, 2], got {v}")));
+            }
+        }
+    }
+    let min_tokens = match c.min_tokens {
+        None => 0,
+        Some(v) if v < 0 => return Err(ApiError::invalid("min_tokens", format!("min_tokens must be >= 0, got {v}"))),
+        Some(v) if v as u64 > max_tokens as u64 => {
+            return Err(ApiError::invalid("min_tokens", format!("min_tokens must be <= {field} ({max_tokens}), got {v}")))
+        }
+        Some(v) => v as usize,
+    };
+    let stop = match &c.stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s.clone()],
+        Some(Stop::Many(v)) => v.clone(),
+    };
+    if stop.len() > 16 || stop.iter().any(|s| s.is_empty() || s.len() > 1024) {
+        return Err(ApiError::invalid("stop", "stop takes at most 16 non-empty strings of at most 1024 bytes"));
+    }
+    let stop_token_ids = c
+        .stop_token_ids
+        .iter()
+        .flatten()
+        .map(|&t| {
+            u32::try_from(t).map_err(|_| ApiError::invalid("stop_token_ids", format!("stop_token_ids must be token ids, got {t}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(SamplingParams {
+        max_tokens,
+        min_tokens,
+        ignore_eos: c.ignore_eos.unwrap_or(false),
+        stop,
+        stop_token_ids,
+        temperature: temperature as f32,
+        top_p: top_p as f32,
+        top_k: top_k as i32,
+        seed: c.seed.map_or(default_seed, |s| s as u64),
+    })
+}

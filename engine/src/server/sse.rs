@@ -1,0 +1,171 @@
+//! OpenAI response bodies: streamed chunks (`chat.completion.chunk`, `text_completion`)
+//! and whole responses, serialized from borrowed structs (no `Value` trees per token).
+
+use bytes::Bytes;
+use serde::Serialize;
+
+/// Which endpoint a response belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+}
+
+/// Token counts.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Sum.
+    pub total_tokens: usize,
+    /// Cache details.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+impl Usage {
+    /// Usage from counts.
+    pub fn new(prompt: usize, completion: usize, cached: usize) -> Self {
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens: cached },
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct ChatChunkChoice<'a> {
+    index: u32,
+    delta: Delta<'a>,
+    logprobs: Option<()>,
+    finish_reason: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct TextChoice<'a> {
+    index: u32,
+    text: &'a str,
+    logprobs: Option<()>,
+    finish_reason: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct ChatMessageOut<'a> {
+    role: &'static str,
+    content: &'a str,
+}
+
+#[derive(Serialize)]
+struct ChatChoice<'a> {
+    index: u32,
+    message: ChatMessageOut<'a>,
+    logprobs: Option<()>,
+    finish_reason: &'a str,
+}
+
+#[derive(Serialize)]
+struct Envelope<'a, C> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: C,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<Usage>,
+}
+
+/// Identity of one response, repeated in every chunk.
+#[derive(Debug, Clone)]
+pub struct ResponseMeta {
+    /// `chatcmpl-…` or `cmpl-…`.
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Served model name.
+    pub model: String,
+    /// Endpoint.
+    pub endpoint: Endpoint,
+}
+
+impl ResponseMeta {
+    fn envelope<C: Serialize>(&self, object: &'static str, choices: C, usage: Option<Usage>) -> Envelope<'_, C> {
+        Envelope { id: &self.id, object, created: self.created, model: &self.model, choices, usage }
+    }
+
+    /// One SSE event carrying `text` (chat: as `delta.content`; `role` on the first chunk).
+    pub fn chunk(&self, text: Option<&str>, first: bool, finish_reason: Option<&str>) -> Bytes {
+        let json = match self.endpoint {
+            Endpoint::Chat => {
+                let delta = Delta { role: first.then_some("assistant"), content: text };
+                let choice = ChatChunkChoice { index: 0, delta, logprobs: None, finish_reason };
+                serde_json::to_vec(&self.envelope("chat.completion.chunk", [choice], None))
+            }
+            Endpoint::Completions => {
+                let choice = TextChoice { index: 0, text: text.unwrap_or(""), logprobs: None, finish_reason };
+                serde_json::to_vec(&self.envelope("text_completion", [choice], None))
+            }
+        };
+        sse_event(json.expect("chunk serializes"))
+    }
+
+    /// The final `usage` chunk of `stream_options.include_usage` (empty `choices`).
+    pub fn usage_chunk(&self, usage: Usage) -> Bytes {
+        let object = match self.endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completions => "text_completion",
+        };
+        let choices: [(); 0] = [];
+        sse_event(serde_json::to_vec(&self.envelope(object, choices, Some(usage))).expect("usage serializes"))
+    }
+
+    /// A whole (non-streamed) response.
+    pub fn response(&self, text: &str, finish_reason: &str, usage: Usage) -> serde_json::Value {
+        let v = match self.endpoint {
+            Endpoint::Chat => {
+                let choice = ChatChoice {
+                    index: 0,
+                    message: ChatMessageOut { role: "assistant", content: text },
+                    logprobs: None,
+                    finish_reason,
+                };
+                serde_json::to_value(self.envelope("chat.completion", [choice], Some(usage)))
+            }
+            Endpoint::Completions => {
+                let choice = TextChoice { index: 0, text, logprobs: None, finish_reason: Some(finish_reason) };
+                serde_json::to_value(self.envelope("text_completion", [choice], Some(usage)))
+            }
+        };
+        v.expect("response serializes")
+    }
+}
+
+/// `data: [DONE]`.
+pub const DONE: &[u8] = b"data: [DONE]\n\n";
+
+fn sse_event(mut json: Vec<u8>) -> Bytes {
+    let mut out = Vec::with_capacity(json.len() + 8);
+    out.extend_from_slice(b"data: ");
+    out.append(&mut json);
+    out.extend_from_slice(b"\n\n");
+    Bytes::from(out)
+}

@@ -1,0 +1,202 @@
+//! Tokenizers and chat rendering.
+//!
+//! The engine talks to tokenizers through the [`Tokenizer`] trait. The `sim` backend uses
+//! [`SimTokenizer`], which is deterministic and cheap and yet counts roughly like a real
+//! BPE tokenizer (about 1.3 tokens per English word):
+//!
+//! * a token is a run of at most 4 ASCII letters or digits, together with the single
+//!   space before it when there is one (`" hello"` → `" hell"`, `"o"`);
+//! * any other character (punctuation, newline, a non-ASCII character) is a token of its own.
+//!
+//! Ids: `0` is end-of-sequence, `1..=WORDS.len()` are the words the simulator generates
+//! (so generated text re-tokenizes to the same ids, and multi-turn prefixes hit the cache),
+//! everything else is a 32-bit hash of the piece above [`SimTokenizer::HASH_BASE`].
+//! Hashed ids do not decode back to text; the simulator never generates them.
+
+use std::collections::HashMap;
+
+/// A token id.
+pub type TokenId = u32;
+
+/// What the engine needs from a tokenizer.
+pub trait Tokenizer: Send + Sync {
+    /// Text → token ids (no special tokens added).
+    fn encode(&self, text: &str) -> Vec<TokenId>;
+    /// Token ids → text. Ids that cannot be decoded become U+FFFD.
+    fn decode(&self, ids: &[TokenId]) -> String;
+    /// The end-of-sequence token.
+    fn eos_token_id(&self) -> TokenId;
+}
+
+/// One chat message with its content flattened to text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, `tool`…
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
+/// Render messages in ChatML with a generation prompt, the format of the models the
+/// simulator stands in for when no template of a real model is loaded.
+pub fn render_chatml(messages: &[ChatMessage]) -> String {
+    let mut out = String::with_capacity(messages.iter().map(|m| m.content.len() + 32).sum());
+    for m in messages {
+        out.push_str("<|im_start|>");
+        out.push_str(&m.role);
+        out.push('\n');
+        out.push_str(&m.content);
+        out.push_str("<|im_end|>\n");
+    }
+    out.push_str("<|im_start|>assistant\n");
+    out
+}
+
+/// Words the simulator generates; each is one token with a leading space.
+pub const WORDS: &[&str] = &[
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
+    "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an",
+    "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there",
+    "been", "if", "more", "when", "will", "would", "who", "so", "no", "she", "other", "its",
+    "may", "these", "what", "them", "than", "some", "him", "time", "into", "only", "do", "like",
+    "then", "our", "any", "new", "also", "two", "way", "each", "made", "out", "many", "work",
+    "well", "long", "part", "day", "year", "good", "over", "such", "most", "used", "make",
+    "much", "same", "very", "both", "find", "here", "came", "go", "want", "home", "read",
+    "hand", "port", "big", "even", "land", "near", "line", "turn", "move", "live", "old",
+    "back", "give", "just", "name", "great", "form", "help", "low", "end", "does", "tell",
+    "set", "three", "air", "play", "small", "put", "spell", "add", "stone", "must", "high",
+    "act", "why", "ask", "men", "went", "light", "kind", "off", "need", "house", "try",
+    "us", "again", "point", "page", "world", "sun", "four", "next", "open", "seem", "tree",
+    "city", "earth", "eye", "keep", "last", "let", "never", "plan", "road", "sea", "start",
+    "story", "far", "draw", "left", "late", "run", "while", "press", "close", "night", "real",
+    "life", "few", "north", "book", "carry", "took", "rock", "room", "river", "fact", "idea",
+    "fish", "care", "face", "bird", "soon", "mile", "wind", "ship", "area", "half", "red",
+    "list", "song", "rest", "step", "early", "hold", "west", "green", "oh", "quick", "gold",
+];
+
+/// The simulator's tokenizer. See the module documentation.
+#[derive(Debug, Clone)]
+pub struct SimTokenizer {
+    word_ids: HashMap<&'static str, TokenId>,
+}
+
+impl Default for SimTokenizer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SimTokenizer {
+    /// Ids at or above this are hashes of prompt pieces.
+    pub const HASH_BASE: TokenId = 1 << 16;
+    /// End of sequence.
+    pub const EOS: TokenId = 0;
+
+    /// Build the word table.
+    pub fn new() -> Self {
+        let mut word_ids = HashMap::new();
+        for (i, w) in WORDS.iter().enumerate() {
+            word_ids.entry(*w).or_insert(i as TokenId + 1);
+        }
+        SimTokenizer { word_ids }
+    }
+
+    /// Id of the `i`-th generated word (`i` taken modulo the table size).
+    pub fn word_token(&self, i: u64) -> TokenId {
+        (i % WORDS.len() as u64) as TokenId + 1
+    }
+
+    fn piece_id(&self, piece: &str) -> TokenId {
+        let bare = piece.strip_prefix(' ').unwrap_or(piece);
+        if piece.starts_with(' ') {
+            if let Some(&id) = self.word_ids.get(bare) {
+                return id;
+            }
+        }
+        let h = xxhash_rust::xxh3::xxh3_64(piece.as_bytes());
+        Self::HASH_BASE + (h % (u32::MAX - Self::HASH_BASE) as u64) as TokenId
+    }
+}
+
+impl Tokenizer for SimTokenizer {
+    fn encode(&self, text: &str) -> Vec<TokenId> {
+        let bytes = text.as_bytes();
+        let mut out = Vec::with_capacity(text.len() / 4 + 1);
+        let mut i = 0;
+        while i < bytes.len() {
+            let start = i;
+            if bytes[i] == b' ' && i + 1 < bytes.len() && bytes[i + 1].is_ascii_alphanumeric() {
+                i += 1;
+            }
+            if bytes[i].is_ascii_alphanumeric() {
+                let run_start = i;
+                let mut run_end = i;
+                while run_end < bytes.len() && bytes[run_end].is_ascii_alphanumeric() {
+                    run_end += 1;
+                }
+                // a whole generated word stays one token, whatever its length
+                if start < run_start && self.word_ids.contains_key(&text[run_start..run_end]) {
+                    i = run_end;
+                } else {
+                    i = (run_start + 4).min(run_end);
+                }
+            } else {
+                // one whole character (UTF-8 aware)
+                let ch_len = text[i..].chars().next().map_or(1, char::len_utf8);
+                i += ch_len;
+            }
+            out.push(self.piece_id(&text[start..i]));
+        }
+        out
+    }
+
+    fn decode(&self, ids: &[TokenId]) -> String {
+        let mut s = String::new();
+        for &id in ids {
+            match id {
+                Self::EOS => {}
+                id if (id as usize) <= WORDS.len() => {
+                    s.push(' ');
+                    s.push_str(WORDS[id as usize - 1]);
+                }
+                _ => s.push('\u{FFFD}'),
+            }
+        }
+        s
+    }
+
+    fn eos_token_id(&self) -> TokenId {
+        Self::EOS
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_like_bpe_and_is_deterministic() {
+        let t = SimTokenizer::new();
+        let ids = t.encode("Hello zebras, my quirky fox.");
+        // "Hell" "o" " zebr" "as" "," " my" " quir" "ky" " fox" "."
+        assert_eq!(ids.len(), 10);
+        assert_eq!(ids, t.encode("Hello zebras, my quirky fox."));
+        // generated words are single tokens whatever their length
+        assert_eq!(t.encode(" world").len(), 1);
+        assert!(t.encode("héllo ✓").len() >= 4, "non-ASCII characters are single tokens");
+    }
+
+    #[test]
+    fn word_table_has_no_duplicates() {
+        let set: std::collections::HashSet<_> = WORDS.iter().collect();
+        assert_eq!(set.len(), WORDS.len());
+    }
+
+    #[test]
+    fn generated_words_round_trip() {
+        let t = SimTokenizer::new();
+        let ids: Vec<_> = (0..WORDS.len() as u64).map(|i| t.word_token(i)).collect();
+        let text = t.decode(&ids);
+        assert_eq!(t.encode(&text), ids);
+    }
+}
