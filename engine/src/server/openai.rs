@@ -266,12 +266,22 @@ pub fn sampling_params(
         ));
     }
     let room = max_len - prompt_len;
+    if prompt_len >= limits.kv_capacity_tokens {
+        return Err(ApiError::invalid(
+            prompt_field,
+            format!(
+                "the prompt has {prompt_len} tokens but the whole KV cache holds {} tokens",
+                limits.kv_capacity_tokens
+            ),
+        ));
+    }
     let (field, requested) = match (c.max_completion_tokens, c.max_tokens) {
         (Some(v), _) => ("max_completion_tokens", Some(v)),
         (None, v) => ("max_tokens", v),
     };
     let max_tokens = match requested {
-        None => room,
+        // Unbounded: up to the context length, within what the cache can ever hold.
+        None => room.min(limits.kv_capacity_tokens - prompt_len),
         Some(v) if v < 1 => return Err(ApiError::invalid(field, format!("{field} must be at least 1, got {v}"))),
         Some(v) if v as u64 > room as u64 => {
             return Err(ApiError::invalid(

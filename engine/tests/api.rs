@@ -1,0 +1,299 @@
+//! The engine over HTTP on loopback: streaming pace, KV pressure and preemption, prefix
+//! caching, disconnects, metrics and bad input.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+use switchyard_engine::backend::sim::{profile, step_time, StepShape};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_chat_arrives_at_the_modelled_step_pace() {
+    let addr = spawn_engine(&["--sim-profile", "h100-llama3-8b"]).await;
+    let n = 40;
+    let start = Instant::now();
+    let resp = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Tell me a story."}],
+                "max_tokens": n, "ignore_eos": true, "stream": true}),
+    )
+    .await;
+    assert_eq!(resp.status, 200);
+    let events = resp.events().await;
+    assert_eq!(events.last().unwrap().1, "[DONE]");
+    let content: Vec<Instant> = events
+        .iter()
+        .filter(|(_, e)| {
+            let v: serde_json::Value = serde_json::from_str(e).unwrap_or_default();
+            v["choices"][0]["delta"]["content"].as_str().is_some_and(|c| !c.is_empty())
+        })
+        .map(|(t, _)| *t)
+        .collect();
+    assert_eq!(content.len(), n, "one chunk per token");
+
+    // The modelled decode step at this context length.
+    let mut shape = StepShape::default();
+    shape.push(40, 1, true);
+    let step = step_time(&profile("h100-llama3-8b").unwrap(), &shape).as_secs_f64();
+    let spread = (content[n - 1] - content[0]).as_secs_f64();
+    let expected = step * (n - 1) as f64;
+    assert!(
+        spread > 0.9 * expected && spread < 1.5 * expected,
+        "chunks spread over {spread:.4}s, model says {expected:.4}s"
+    );
+    let first = (content[0] - start).as_secs_f64();
+    assert!(first < spread / 4.0, "first chunk at {first:.4}s, well before the last");
+    let mut gaps: Vec<f64> = content.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()).collect();
+    gaps.sort_by(f64::total_cmp);
+    let median = gaps[gaps.len() / 2];
+    assert!((median - step).abs() < 0.3 * step, "median gap {median:.4}s vs step {step:.4}s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_cache_queues_requests_preempts_and_still_completes_every_token() {
+    // 300 blocks × 16 = 4,800 token slots for 64 requests of 200 + 120 tokens.
+    let addr = spawn_engine(&["--sim-profile", "h100-llama3-8b", "--num-gpu-blocks-override", "300"]).await;
+    let max_tokens = 120;
+    let mut tasks = Vec::new();
+    for i in 0..64 {
+        let body = json!({"prompt": prompt_of(200, &char::from(b'a' + (i % 26) as u8).to_string()),
+                          "max_tokens": max_tokens, "ignore_eos": true, "seed": i});
+        tasks.push(tokio::spawn(async move { post(addr, "/v1/completions", &body).await.json().await }));
+    }
+    let (mut max_waiting, mut max_usage) = (0.0f64, 0.0f64);
+    while !tasks.iter().all(|t| t.is_finished()) {
+        let s = scrape(addr).await;
+        max_waiting = max_waiting.max(metric(&s, "vllm:num_requests_waiting"));
+        max_usage = max_usage.max(metric(&s, "vllm:kv_cache_usage_perc"));
+        assert_eq!(metric(&s, "vllm:kv_cache_usage_perc"), metric(&s, "vllm:gpu_cache_usage_perc"));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for t in tasks {
+        let v = t.await.unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], max_tokens, "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+        let words = v["choices"][0]["text"].as_str().unwrap().split_whitespace().count();
+        assert_eq!(words, max_tokens as usize, "every token is one word");
+    }
+    assert!(max_waiting > 0.0, "requests queued");
+    assert!(max_usage > 0.8, "KV usage peaked at {max_usage}");
+    let s = scrape(addr).await;
+    assert!(metric(&s, "vllm:num_preemptions_total") > 0.0, "decode growth forced preemption");
+    assert_eq!(metric(&s, "vllm:num_requests_running"), 0.0);
+    assert_eq!(metric(&s, "vllm:kv_cache_usage_perc"), 0.0);
+}
+
+/// Time to the first streamed token of a completion.
+async fn ttft(addr: std::net::SocketAddr, prompt: &str) -> (Duration, serde_json::Value) {
+    let start = Instant::now();
+    let mut resp = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 2, "ignore_eos": true, "stream": true,
+                "stream_options": {"include_usage": true}}),
+    )
+    .await;
+    let _first = resp.next_event().await.expect("first chunk");
+    let t = start.elapsed();
+    let events = resp.events().await;
+    let usage: serde_json::Value = serde_json::from_str(&events[events.len() - 2].1).unwrap();
+    (t, usage["usage"].clone())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_long_prompt_hits_the_prefix_cache() {
+    let addr = spawn_engine(&["--sim-profile", "h100-llama3-8b"]).await;
+    let prompt = prompt_of(2005, "p"); // 125 full blocks of 16 + 5 tokens
+    let hits0 = metric(&scrape(addr).await, "vllm:prefix_cache_hits_total");
+    let (t1, u1) = ttft(addr, &prompt).await;
+    assert_eq!(u1["prompt_tokens"], 2005);
+    assert_eq!(u1["prompt_tokens_details"]["cached_tokens"], 0);
+    let hits1 = metric(&scrape(addr).await, "vllm:prefix_cache_hits_total");
+    let (t2, u2) = ttft(addr, &prompt).await;
+    assert_eq!(u2["prompt_tokens_details"]["cached_tokens"], 2000);
+    let hits2 = metric(&scrape(addr).await, "vllm:prefix_cache_hits_total");
+    assert_eq!(hits1, hits0);
+    assert!(hits2 - hits1 >= 2000.0, "hits grew by {}", hits2 - hits1);
+    assert!(t2 < t1 / 2, "second TTFT {t2:?} vs first {t1:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_after_the_first_chunk_frees_its_request() {
+    let addr = spawn_engine(&["--sim-profile", "h100-llama3-8b"]).await;
+    let mut resp = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": prompt_of(300, "d")}],
+                "max_tokens": 2000, "ignore_eos": true, "stream": true}),
+    )
+    .await;
+    let _role = resp.next_event().await.unwrap();
+    let _token = resp.next_event().await.unwrap();
+    let s = scrape(addr).await;
+    assert_eq!(metric(&s, "vllm:num_requests_running"), 1.0);
+    assert!(metric(&s, "vllm:kv_cache_usage_perc") > 0.0);
+    resp.disconnect();
+    let took = wait_for_metrics(addr, Duration::from_secs(1), "request freed after disconnect", |s| {
+        metric(s, "vllm:num_requests_running") == 0.0 && metric(s, "vllm:kv_cache_usage_perc") == 0.0
+    })
+    .await;
+    eprintln!("freed {took:?} after the disconnect");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_during_prefill_frees_its_request() {
+    // A100, 8,000-token prompt in 512-token chunks: ~1 s of prefill.
+    let addr = spawn_engine(&["--sim-profile", "a100-llama3-8b", "--max-num-batched-tokens", "512"]).await;
+    let resp = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": prompt_of(8000, "f"), "max_tokens": 10, "stream": true}),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let s = scrape(addr).await;
+    assert_eq!(metric(&s, "vllm:num_requests_running"), 1.0, "still prefilling");
+    assert_eq!(metric(&s, "vllm:generation_tokens_total"), 0.0, "no token yet");
+    assert!(metric(&s, "vllm:kv_cache_usage_perc") > 0.0);
+    resp.disconnect();
+    wait_for_metrics(addr, Duration::from_secs(1), "request freed after disconnect during prefill", |s| {
+        metric(s, "vllm:num_requests_running") == 0.0 && metric(s, "vllm:kv_cache_usage_perc") == 0.0
+    })
+    .await;
+    let s = scrape(addr).await;
+    assert_eq!(metric(&s, "vllm:generation_tokens_total"), 0.0, "aborted before its first token");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_valid_prometheus_text_with_every_vllm_series() {
+    let addr = spawn_engine(&["--sim-profile", "instant"]).await;
+    for stream in [false, true] {
+        let r = post(addr, "/v1/completions", &json!({"prompt": "hello there", "max_tokens": 3, "ignore_eos": true, "stream": stream})).await;
+        assert_eq!(r.status, 200);
+        r.text().await;
+    }
+    let s = scrape(addr).await;
+    for name in [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:cache_config_info",
+    ] {
+        let series = s.iter().find(|x| x.name == name).unwrap_or_else(|| panic!("missing {name}"));
+        assert!(series.labels.contains_key("model_name"), "{name} has no model_name label");
+    }
+    assert_eq!(metric(&s, "vllm:generation_tokens_total"), 6.0);
+    let length = s
+        .iter()
+        .find(|x| x.name == "vllm:request_success_total" && x.labels["finished_reason"] == "length")
+        .expect("success counter by reason");
+    assert!(matches!(length.value, SeriesValue::Scalar(v) if v == 2.0), "{length:?}");
+    let info = s.iter().find(|x| x.name == "vllm:cache_config_info").unwrap();
+    assert_eq!(info.labels["block_size"], "16");
+    // TTFT histogram: vLLM V1's buckets (+Inf), two observations.
+    let ttft = s.iter().find(|x| x.name == "vllm:time_to_first_token_seconds").unwrap();
+    match &ttft.value {
+        SeriesValue::Histogram { buckets, count } => {
+            assert_eq!(buckets.len(), switchyard_engine::metrics::TTFT_BUCKETS.len() + 1);
+            assert_eq!(*count, 2.0);
+        }
+        other => panic!("TTFT is not a histogram: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_streamed_responses_have_the_openai_shape() {
+    let addr = spawn_engine(&["--sim-profile", "instant"]).await;
+    let v = post(addr, "/v1/chat/completions", &json!({"model": "meta-llama/Meta-Llama-3-8B-Instruct",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        "max_completion_tokens": 4, "ignore_eos": true}))
+    .await
+    .json()
+    .await;
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    assert_eq!(v["usage"]["total_tokens"], v["usage"]["prompt_tokens"].as_u64().unwrap() + 4);
+    let models = send(addr, "GET", "/v1/models", bytes::Bytes::new()).await.json().await;
+    assert_eq!(models["data"][0]["id"], "meta-llama/Meta-Llama-3-8B-Instruct");
+    assert_eq!(send(addr, "GET", "/health", bytes::Bytes::new()).await.status, 200);
+
+    // Same seed, same text; stop strings cut the text.
+    let ask = |seed: u64| json!({"prompt": "x", "max_tokens": 30, "ignore_eos": true, "seed": seed});
+    let a = post(addr, "/v1/completions", &ask(7)).await.json().await;
+    let b = post(addr, "/v1/completions", &ask(7)).await.json().await;
+    let c = post(addr, "/v1/completions", &ask(8)).await.json().await;
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    assert_ne!(a["choices"][0]["text"], c["choices"][0]["text"]);
+    let text = a["choices"][0]["text"].as_str().unwrap();
+    let third_word = text.split_whitespace().nth(2).unwrap();
+    let stop = format!(" {third_word}");
+    let cut = post(addr, "/v1/completions", &json!({"prompt": "x", "max_tokens": 30, "ignore_eos": true, "seed": 7, "stop": [stop]}))
+        .await
+        .json()
+        .await;
+    assert_eq!(cut["choices"][0]["finish_reason"], "stop");
+    let expect = &text[..text.find(&stop).unwrap()];
+    assert_eq!(cut["choices"][0]["text"], expect);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_a_400_or_404_naming_the_field() {
+    // 8 blocks × 16 = 128 KV token slots; context 256.
+    let addr = spawn_engine(&["--sim-profile", "instant", "--max-model-len", "256", "--num-gpu-blocks-override", "8"]).await;
+    let long = prompt_of(300, "z");
+    let cases: Vec<(&str, &str, Vec<u8>, u16, &str)> = vec![
+        ("malformed JSON", "/v1/completions", br#"{"prompt": "#.to_vec(), 400, "not valid JSON"),
+        ("not an object", "/v1/completions", b"[1, 2]".to_vec(), 400, "JSON object"),
+        ("invalid UTF-8", "/v1/completions", b"{\"prompt\": \"\xff\xfe\"}".to_vec(), 400, "not valid JSON"),
+        ("max_tokens wrong type", "/v1/completions", br#"{"prompt":"a","max_tokens":"ten"}"#.to_vec(), 400, "max_tokens"),
+        ("messages wrong type", "/v1/chat/completions", br#"{"messages":"hi"}"#.to_vec(), 400, "messages"),
+        ("content wrong type", "/v1/chat/completions", br#"{"messages":[{"role":"user","content":5}]}"#.to_vec(), 400, "messages[0].content"),
+        ("bad role", "/v1/chat/completions", br#"{"messages":[{"role":"wizard","content":"hi"}]}"#.to_vec(), 400, "messages[0].role"),
+        ("unknown model", "/v1/completions", br#"{"model":"gpt-9","prompt":"a"}"#.to_vec(), 404, "gpt-9"),
+        ("empty prompt", "/v1/completions", br#"{"prompt":""}"#.to_vec(), 400, "prompt"),
+        ("missing prompt", "/v1/completions", br#"{"max_tokens":3}"#.to_vec(), 400, "prompt"),
+        ("empty messages", "/v1/chat/completions", br#"{"messages":[]}"#.to_vec(), 400, "messages"),
+        ("max_tokens zero", "/v1/completions", br#"{"prompt":"a","max_tokens":0}"#.to_vec(), 400, "max_tokens must be at least 1, got 0"),
+        ("max_tokens negative", "/v1/completions", br#"{"prompt":"a","max_tokens":-5}"#.to_vec(), 400, "got -5"),
+        ("max_tokens huge", "/v1/completions", br#"{"prompt":"a","max_tokens":1e30}"#.to_vec(), 400, "max_tokens"),
+        ("max_tokens over the context", "/v1/completions", br#"{"prompt":"a","max_tokens":1000}"#.to_vec(), 400, "max_tokens must be <= 255, got 1000"),
+        ("max_completion_tokens over", "/v1/chat/completions", br#"{"messages":[{"role":"user","content":"a"}],"max_completion_tokens":100000}"#.to_vec(), 400, "max_completion_tokens"),
+        ("prompt over max-model-len", "/v1/completions", json!({"prompt": long}).to_string().into_bytes(), 400, "maximum context length is 256"),
+        ("never fits the KV cache", "/v1/completions", br#"{"prompt":"a b c","max_tokens":200}"#.to_vec(), 400, "whole cache holds 128 tokens"),
+        ("n > 1", "/v1/completions", br#"{"prompt":"a","n":2}"#.to_vec(), 400, "n must be 1"),
+        ("temperature", "/v1/completions", br#"{"prompt":"a","temperature":5}"#.to_vec(), 400, "temperature"),
+        ("top_p", "/v1/completions", br#"{"prompt":"a","top_p":0}"#.to_vec(), 400, "top_p"),
+        ("min_tokens over max", "/v1/completions", br#"{"prompt":"a","max_tokens":2,"min_tokens":5}"#.to_vec(), 400, "min_tokens"),
+        ("logprobs", "/v1/completions", br#"{"prompt":"a","logprobs":3}"#.to_vec(), 400, "logprobs"),
+        ("token id out of range", "/v1/completions", br#"{"prompt":[1,-2]}"#.to_vec(), 400, "token ids"),
+        ("stop wrong type", "/v1/completions", br#"{"prompt":"a","stop":7}"#.to_vec(), 400, "stop"),
+        ("batched prompts", "/v1/completions", br#"{"prompt":["a","b"]}"#.to_vec(), 400, "batched"),
+    ];
+    for (what, path, body, status, needle) in cases {
+        let r = send(addr, "POST", path, body).await;
+        let got = r.status;
+        let v = r.json().await;
+        assert_eq!(got, status, "{what}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap_or_else(|| panic!("{what}: no OpenAI error shape: {v}"));
+        assert!(msg.contains(needle), "{what}: {msg:?} should mention {needle:?}");
+        assert!(v["error"]["type"].is_string(), "{what}: {v}");
+    }
+    // Still serving after all that.
+    let ok = post(addr, "/v1/completions", &json!({"prompt": "a", "max_tokens": 3})).await;
+    assert_eq!(ok.status, 200);
+}
