@@ -10,6 +10,7 @@
 //! generated token is EOS with probability 1/[`EOS_ONE_IN`], giving a geometric output
 //! length with that mean, like a chat model that stops on its own.
 
+pub mod calibration;
 pub mod profiles;
 pub mod roofline;
 

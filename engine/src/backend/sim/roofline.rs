@@ -9,7 +9,7 @@
 //! - **Bytes** = weights (P − V·H) · dtype (read once per step, the embedding table is only
 //!   gathered) + KV bytes/token · (Σᵢ context read + T written).
 //! - **Time** = max(FLOPs ÷ (peak · compute_eff), bytes ÷ (bandwidth · bandwidth_eff))
-//!   + step overhead + (tp > 1: 2·L all-reduces of T·H activations, each latency + ring time).
+//!   + step overhead + per-sequence overhead · sequences + (tp > 1: 2·L all-reduces of T·H activations, each latency + ring time).
 //!
 //! Attention cost therefore grows with context length, decode steps are bandwidth-bound
 //! and prefill steps compute-bound, as on real hardware.
@@ -26,6 +26,8 @@ pub struct StepShape {
     pub num_tokens: f64,
     /// Sequences that sample a token.
     pub num_sampled: f64,
+    /// Sequences in the step.
+    pub num_seqs: f64,
     /// Σ nᵢ·(startᵢ + (nᵢ+1)/2): query–key pairs of causal attention.
     pub attn_pairs: f64,
     /// Σ (startᵢ + nᵢ): KV entries read.
@@ -46,6 +48,7 @@ impl StepShape {
     pub fn push(&mut self, start: usize, len: usize, sample: bool) {
         let (start, len) = (start as f64, len as f64);
         self.num_tokens += len;
+        self.num_seqs += 1.0;
         self.num_sampled += f64::from(u8::from(sample));
         self.attn_pairs += len * (start + (len + 1.0) / 2.0);
         self.kv_tokens_read += start + len;
@@ -69,7 +72,7 @@ pub fn step_time(p: &SimProfile, shape: &StepShape) -> Duration {
         / tp;
     let compute = flops / (p.gpu.bf16_flops * p.compute_efficiency);
     let memory = bytes / (p.gpu.hbm_bandwidth * p.bandwidth_efficiency);
-    let mut t = compute.max(memory) + p.step_overhead_s;
+    let mut t = compute.max(memory) + p.step_overhead_s + p.per_seq_overhead_s * shape.num_seqs;
     if p.tp > 1 {
         let payload = shape.num_tokens * (m.hidden * m.dtype_bytes) as f64;
         let ring = 2.0 * (tp - 1.0) / tp * payload / p.gpu.link_bandwidth;
