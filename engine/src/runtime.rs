@@ -7,8 +7,8 @@
 //!
 //! Loop: drain commands (block when idle) → step → for a simulated backend, sleep until
 //! `step start + modelled step time` (a plain OS thread sleeps with ~0.1 ms precision,
-//! tokio's timer has 1 ms granularity, too coarse for 7 ms steps) → deliver events and
-//! record TTFT / ITL / e2e → publish gauges.
+//! tokio's timer has 1 ms granularity, too coarse for 7 ms steps) → publish gauges →
+//! deliver events and record TTFT / ITL / e2e.
 
 use std::collections::HashMap;
 use std::sync::mpsc;
@@ -126,11 +126,12 @@ fn run(mut core: EngineCore, mut metrics: EngineMetrics, rx: mpsc::Receiver<Comm
                 thread::sleep(deadline - now);
             }
         }
+        // Publish first, so a client that sees a token also sees the state that made it.
+        publish(&core, &mut metrics);
         let now = Instant::now();
         for ev in step.events {
             deliver(ev, now, &mut sinks, &metrics);
         }
-        publish(&core, &mut metrics);
     }
 }
 

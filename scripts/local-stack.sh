@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The main job: a local Switchyard stack on localhost. Today: two simulated H100 engines
+# (Llama-3-8B timing) on :8101 and :8102. Ctrl-C stops everything.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+cargo build --release --locked -p switchyard-engine
+
+PROFILE=${SIM_PROFILE:-h100-llama3-8b}
+PORTS=(8101 8102)
+pids=()
+cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
+trap cleanup EXIT INT TERM
+
+mkdir -p .cache/logs
+for port in "${PORTS[@]}"; do
+  ./target/release/switchyard-engine --host 127.0.0.1 --port "$port" --sim-profile "$PROFILE" \
+    >".cache/logs/engine-$port.log" 2>&1 &
+  pids+=($!)
+done
+for port in "${PORTS[@]}"; do
+  for _ in $(seq 1 100); do
+    curl -fsS "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+    sleep 0.1
+  done
+  curl -fsS "http://127.0.0.1:$port/health" >/dev/null || { echo "engine on :$port did not start; see .cache/logs/engine-$port.log" >&2; exit 1; }
+done
+
+model=$(curl -fsS http://127.0.0.1:8101/v1/models | sed -E 's/.*"id":"([^"]+)".*/\1/')
+cat <<MSG
+
+Switchyard local stack is up: ${#PORTS[@]} sim engines ($PROFILE) on ${PORTS[*]}.
+Logs: .cache/logs/. Metrics: curl http://127.0.0.1:8101/metrics
+
+Try:
+  curl -N http://127.0.0.1:8101/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "$model", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32, "stream": true}'
+
+Ctrl-C to stop.
+MSG
+wait

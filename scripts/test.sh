@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The whole test suite: unit, property and end-to-end tests of every crate.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+profile=default
+[ "${CI:-}" = true ] && profile=ci
+cargo build --workspace --all-targets --locked
+cargo nextest run --workspace --locked --profile "$profile" "$@"
