@@ -6,4 +6,5 @@ scripts/setup.sh
 profile=default
 [ "${CI:-}" = true ] && profile=ci
 cargo build --workspace --all-targets --locked
+cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo nextest run --workspace --locked --profile "$profile" "$@"

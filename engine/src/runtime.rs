@@ -23,7 +23,7 @@ use crate::scheduler::{Event, Request, RequestId, SamplingParams};
 use crate::tokenizer::TokenId;
 
 enum Command {
-    Add { req: Request, arrival: Instant, events: UnboundedSender<Event> },
+    Add { req: Box<Request>, arrival: Instant, events: UnboundedSender<Event> },
     Abort(RequestId),
 }
 
@@ -75,7 +75,7 @@ impl EngineHandle {
         arrival: Instant,
     ) -> Result<RequestStream, EngineStopped> {
         let (etx, erx) = unbounded_channel();
-        let req = Request::new(id, prompt, params);
+        let req = Box::new(Request::new(id, prompt, params));
         self.tx.send(Command::Add { req, arrival, events: etx }).map_err(|_| EngineStopped)?;
         Ok(RequestStream { id, rx: erx, abort: Some(self.tx.clone()) })
     }
@@ -139,7 +139,7 @@ fn handle(cmd: Command, core: &mut EngineCore, sinks: &mut HashMap<RequestId, Si
     match cmd {
         Command::Add { req, arrival, events } => {
             sinks.insert(req.id, Sink { events, arrival, last_token: None });
-            core.scheduler.add(req);
+            core.scheduler.add(*req);
         }
         Command::Abort(id) => {
             if core.scheduler.abort(id) {

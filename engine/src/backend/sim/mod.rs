@@ -39,7 +39,7 @@ impl SimBackend {
     /// The token generated at output position `pos` for `seed`.
     pub fn token_at(&self, seed: u64, pos: usize, eos_allowed: bool) -> TokenId {
         let r = splitmix64(seed ^ splitmix64(pos as u64 + 1));
-        if eos_allowed && r % EOS_ONE_IN == 0 {
+        if eos_allowed && r.is_multiple_of(EOS_ONE_IN) {
             SimTokenizer::EOS
         } else {
             self.tokenizer.word_token(r >> 8)
