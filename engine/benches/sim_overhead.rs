@@ -65,10 +65,8 @@ fn cpu_seconds(pid: u32) -> f64 {
 
 /// Keep one stream going until `until`, counting SSE events received.
 async fn stream_loop(addr: SocketAddr, max_tokens: usize, until: Instant, tokens: Arc<AtomicU64>) {
-    let body = format!(
-        r#"{{"prompt":"{}","max_tokens":{max_tokens},"ignore_eos":true,"stream":true}}"#,
-        " word".repeat(100)
-    );
+    let body =
+        format!(r#"{{"prompt":"{}","max_tokens":{max_tokens},"ignore_eos":true,"stream":true}}"#, " word".repeat(100));
     while Instant::now() < until {
         let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
         stream.set_nodelay(true).unwrap();
@@ -96,9 +94,8 @@ async fn stream_loop(addr: SocketAddr, max_tokens: usize, until: Instant, tokens
 async fn drive(engine: &Engine, max_tokens: usize, warmup: Duration, window: Duration) -> (f64, f64) {
     let end = Instant::now() + warmup + window;
     let tokens = Arc::new(AtomicU64::new(0));
-    let tasks: Vec<_> = (0..STREAMS)
-        .map(|_| tokio::spawn(stream_loop(engine.addr, max_tokens, end, tokens.clone())))
-        .collect();
+    let tasks: Vec<_> =
+        (0..STREAMS).map(|_| tokio::spawn(stream_loop(engine.addr, max_tokens, end, tokens.clone()))).collect();
     tokio::time::sleep(warmup).await;
     let (t0, c0, n0) = (Instant::now(), cpu_seconds(engine.child.id()), tokens.load(Ordering::Relaxed));
     tokio::time::sleep(window).await;

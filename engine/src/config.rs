@@ -107,10 +107,13 @@ fn invalid(field: &'static str, value: impl ToString, reason: impl Into<String>)
 impl EngineConfig {
     /// Resolve and validate flags.
     pub fn from_args(a: &EngineArgs) -> Result<Self, ConfigError> {
-        let ip: std::net::IpAddr =
-            a.host.parse().map_err(|_| invalid("--host", &a.host, "must be an IP address"))?;
+        let ip: std::net::IpAddr = a.host.parse().map_err(|_| invalid("--host", &a.host, "must be an IP address"))?;
         let mut profile = sim::profile(&a.sim_profile).ok_or_else(|| {
-            invalid("--sim-profile", &a.sim_profile, format!("unknown profile; one of {}", sim::PROFILE_NAMES.join(", ")))
+            invalid(
+                "--sim-profile",
+                &a.sim_profile,
+                format!("unknown profile; one of {}", sim::PROFILE_NAMES.join(", ")),
+            )
         })?;
         if let Some(tp) = a.tensor_parallel_size {
             if !(1..=64).contains(&tp) {
@@ -149,11 +152,8 @@ impl EngineConfig {
                 )
             })?,
         };
-        let served_model_name = a
-            .served_model_name
-            .clone()
-            .or_else(|| a.model.clone())
-            .unwrap_or_else(|| profile.model.name.to_string());
+        let served_model_name =
+            a.served_model_name.clone().or_else(|| a.model.clone()).unwrap_or_else(|| profile.model.name.to_string());
         Ok(EngineConfig {
             listen: SocketAddr::new(ip, a.port),
             backend: a.backend,

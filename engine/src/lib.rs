@@ -50,14 +50,8 @@ pub fn build(cfg: &EngineConfig) -> anyhow::Result<Engine> {
         kv_capacity_tokens: cfg.kv_capacity_tokens(),
         block_size: cfg.block_size,
     };
-    let state = Arc::new(server::AppState::new(
-        handle,
-        tokenizer,
-        cfg.served_model_name.clone(),
-        limits,
-        cfg.seed,
-        registry,
-    ));
+    let state =
+        Arc::new(server::AppState::new(handle, tokenizer, cfg.served_model_name.clone(), limits, cfg.seed, registry));
     Ok(Engine { router: server::router(state.clone()), state, thread })
 }
 

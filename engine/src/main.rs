@@ -7,9 +7,7 @@ use switchyard_engine::{EngineArgs, EngineConfig};
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
     let args = EngineArgs::parse();
     let cfg = match EngineConfig::from_args(&args) {
@@ -19,9 +17,8 @@ async fn main() -> anyhow::Result<()> {
             std::process::exit(2);
         }
     };
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .with_context(|| format!("binding {}", cfg.listen))?;
+    let listener =
+        tokio::net::TcpListener::bind(cfg.listen).await.with_context(|| format!("binding {}", cfg.listen))?;
     let addr = listener.local_addr()?;
     let engine = switchyard_engine::build(&cfg)?;
     tracing::info!(

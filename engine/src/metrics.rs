@@ -10,18 +10,16 @@ use crate::scheduler::{FinishReason, SchedulerStats};
 
 /// vLLM V1 buckets of `vllm:time_to_first_token_seconds`.
 pub const TTFT_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-    40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
 ];
 /// vLLM V1 buckets of `vllm:inter_token_latency_seconds`.
-pub const ITL_BUCKETS: &[f64] = &[
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-    80.0,
-];
+pub const ITL_BUCKETS: &[f64] =
+    &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
 /// vLLM V1 buckets of `vllm:e2e_request_latency_seconds`.
 pub const E2E_BUCKETS: &[f64] = &[
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-    480.0, 960.0, 1920.0, 7680.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
 ];
 
 /// Handles to every engine series.
@@ -56,26 +54,55 @@ fn hist(name: &str, help: &str, model: &str, buckets: &[f64]) -> HistogramOpts {
 
 impl EngineMetrics {
     /// Create and register every series.
-    pub fn new(
-        registry: &Registry,
-        model: &str,
-        block_size: usize,
-        num_blocks: usize,
-    ) -> prometheus::Result<Self> {
+    pub fn new(registry: &Registry, model: &str, block_size: usize, num_blocks: usize) -> prometheus::Result<Self> {
         let m = EngineMetrics {
             running: IntGauge::with_opts(opts("vllm:num_requests_running", "Requests in the running batch.", model))?,
-            waiting: IntGauge::with_opts(opts("vllm:num_requests_waiting", "Requests waiting to be scheduled.", model))?,
-            gpu_cache_usage: Gauge::with_opts(opts("vllm:gpu_cache_usage_perc", "KV cache usage, 0..1 (V0 name).", model))?,
+            waiting: IntGauge::with_opts(opts(
+                "vllm:num_requests_waiting",
+                "Requests waiting to be scheduled.",
+                model,
+            ))?,
+            gpu_cache_usage: Gauge::with_opts(opts(
+                "vllm:gpu_cache_usage_perc",
+                "KV cache usage, 0..1 (V0 name).",
+                model,
+            ))?,
             kv_cache_usage: Gauge::with_opts(opts("vllm:kv_cache_usage_perc", "KV cache usage, 0..1.", model))?,
-            prefix_queries: IntCounter::with_opts(opts("vllm:prefix_cache_queries_total", "Tokens looked up in the prefix cache.", model))?,
-            prefix_hits: IntCounter::with_opts(opts("vllm:prefix_cache_hits_total", "Tokens found in the prefix cache.", model))?,
+            prefix_queries: IntCounter::with_opts(opts(
+                "vllm:prefix_cache_queries_total",
+                "Tokens looked up in the prefix cache.",
+                model,
+            ))?,
+            prefix_hits: IntCounter::with_opts(opts(
+                "vllm:prefix_cache_hits_total",
+                "Tokens found in the prefix cache.",
+                model,
+            ))?,
             preemptions: IntCounter::with_opts(opts("vllm:num_preemptions_total", "Preemptions.", model))?,
             prompt_tokens: IntCounter::with_opts(opts("vllm:prompt_tokens_total", "Prefilled prompt tokens.", model))?,
             generation_tokens: IntCounter::with_opts(opts("vllm:generation_tokens_total", "Generated tokens.", model))?,
-            success: IntCounterVec::new(opts("vllm:request_success_total", "Finished requests.", model), &["finished_reason"])?,
-            ttft: Histogram::with_opts(hist("vllm:time_to_first_token_seconds", "Time to first token.", model, TTFT_BUCKETS))?,
-            itl: Histogram::with_opts(hist("vllm:inter_token_latency_seconds", "Inter-token latency.", model, ITL_BUCKETS))?,
-            e2e: Histogram::with_opts(hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.", model, E2E_BUCKETS))?,
+            success: IntCounterVec::new(
+                opts("vllm:request_success_total", "Finished requests.", model),
+                &["finished_reason"],
+            )?,
+            ttft: Histogram::with_opts(hist(
+                "vllm:time_to_first_token_seconds",
+                "Time to first token.",
+                model,
+                TTFT_BUCKETS,
+            ))?,
+            itl: Histogram::with_opts(hist(
+                "vllm:inter_token_latency_seconds",
+                "Inter-token latency.",
+                model,
+                ITL_BUCKETS,
+            ))?,
+            e2e: Histogram::with_opts(hist(
+                "vllm:e2e_request_latency_seconds",
+                "End-to-end request latency.",
+                model,
+                E2E_BUCKETS,
+            ))?,
             last: SchedulerStats::default(),
         };
         let info = IntGauge::with_opts(

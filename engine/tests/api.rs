@@ -147,12 +147,8 @@ async fn a_client_that_leaves_after_the_first_chunk_frees_its_request() {
 async fn a_client_that_leaves_during_prefill_frees_its_request() {
     // A100, 8,000-token prompt in 512-token chunks: ~1 s of prefill.
     let addr = spawn_engine(&["--sim-profile", "a100-llama3-8b", "--max-num-batched-tokens", "512"]).await;
-    let resp = post(
-        addr,
-        "/v1/completions",
-        &json!({"prompt": prompt_of(8000, "f"), "max_tokens": 10, "stream": true}),
-    )
-    .await;
+    let resp =
+        post(addr, "/v1/completions", &json!({"prompt": prompt_of(8000, "f"), "max_tokens": 10, "stream": true})).await;
     tokio::time::sleep(Duration::from_millis(150)).await;
     let s = scrape(addr).await;
     assert_eq!(metric(&s, "vllm:num_requests_running"), 1.0, "still prefilling");
@@ -171,7 +167,12 @@ async fn a_client_that_leaves_during_prefill_frees_its_request() {
 async fn metrics_are_valid_prometheus_text_with_every_vllm_series() {
     let addr = spawn_engine(&["--sim-profile", "instant"]).await;
     for stream in [false, true] {
-        let r = post(addr, "/v1/completions", &json!({"prompt": "hello there", "max_tokens": 3, "ignore_eos": true, "stream": stream})).await;
+        let r = post(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": "hello there", "max_tokens": 3, "ignore_eos": true, "stream": stream}),
+        )
+        .await;
         assert_eq!(r.status, 200);
         r.text().await;
     }
@@ -242,10 +243,14 @@ async fn non_streamed_responses_have_the_openai_shape() {
     let text = a["choices"][0]["text"].as_str().unwrap();
     let third_word = text.split_whitespace().nth(2).unwrap();
     let stop = format!(" {third_word}");
-    let cut = post(addr, "/v1/completions", &json!({"prompt": "x", "max_tokens": 30, "ignore_eos": true, "seed": 7, "stop": [stop]}))
-        .await
-        .json()
-        .await;
+    let cut = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 30, "ignore_eos": true, "seed": 7, "stop": [stop]}),
+    )
+    .await
+    .json()
+    .await;
     assert_eq!(cut["choices"][0]["finish_reason"], "stop");
     let expect = &text[..text.find(&stop).unwrap()];
     assert_eq!(cut["choices"][0]["text"], expect);
@@ -254,31 +259,86 @@ async fn non_streamed_responses_have_the_openai_shape() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_a_400_or_404_naming_the_field() {
     // 8 blocks × 16 = 128 KV token slots; context 256.
-    let addr = spawn_engine(&["--sim-profile", "instant", "--max-model-len", "256", "--num-gpu-blocks-override", "8"]).await;
+    let addr =
+        spawn_engine(&["--sim-profile", "instant", "--max-model-len", "256", "--num-gpu-blocks-override", "8"]).await;
     let long = prompt_of(300, "z");
     let cases: Vec<(&str, &str, Vec<u8>, u16, &str)> = vec![
         ("malformed JSON", "/v1/completions", br#"{"prompt": "#.to_vec(), 400, "not valid JSON"),
         ("not an object", "/v1/completions", b"[1, 2]".to_vec(), 400, "JSON object"),
         ("invalid UTF-8", "/v1/completions", b"{\"prompt\": \"\xff\xfe\"}".to_vec(), 400, "not valid JSON"),
-        ("max_tokens wrong type", "/v1/completions", br#"{"prompt":"a","max_tokens":"ten"}"#.to_vec(), 400, "max_tokens"),
+        (
+            "max_tokens wrong type",
+            "/v1/completions",
+            br#"{"prompt":"a","max_tokens":"ten"}"#.to_vec(),
+            400,
+            "max_tokens",
+        ),
         ("messages wrong type", "/v1/chat/completions", br#"{"messages":"hi"}"#.to_vec(), 400, "messages"),
-        ("content wrong type", "/v1/chat/completions", br#"{"messages":[{"role":"user","content":5}]}"#.to_vec(), 400, "messages[0].content"),
-        ("bad role", "/v1/chat/completions", br#"{"messages":[{"role":"wizard","content":"hi"}]}"#.to_vec(), 400, "messages[0].role"),
+        (
+            "content wrong type",
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"user","content":5}]}"#.to_vec(),
+            400,
+            "messages[0].content",
+        ),
+        (
+            "bad role",
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"wizard","content":"hi"}]}"#.to_vec(),
+            400,
+            "messages[0].role",
+        ),
         ("unknown model", "/v1/completions", br#"{"model":"gpt-9","prompt":"a"}"#.to_vec(), 404, "gpt-9"),
         ("empty prompt", "/v1/completions", br#"{"prompt":""}"#.to_vec(), 400, "prompt"),
         ("missing prompt", "/v1/completions", br#"{"max_tokens":3}"#.to_vec(), 400, "prompt"),
         ("empty messages", "/v1/chat/completions", br#"{"messages":[]}"#.to_vec(), 400, "messages"),
-        ("max_tokens zero", "/v1/completions", br#"{"prompt":"a","max_tokens":0}"#.to_vec(), 400, "max_tokens must be at least 1, got 0"),
+        (
+            "max_tokens zero",
+            "/v1/completions",
+            br#"{"prompt":"a","max_tokens":0}"#.to_vec(),
+            400,
+            "max_tokens must be at least 1, got 0",
+        ),
         ("max_tokens negative", "/v1/completions", br#"{"prompt":"a","max_tokens":-5}"#.to_vec(), 400, "got -5"),
         ("max_tokens huge", "/v1/completions", br#"{"prompt":"a","max_tokens":1e30}"#.to_vec(), 400, "max_tokens"),
-        ("max_tokens over the context", "/v1/completions", br#"{"prompt":"a","max_tokens":1000}"#.to_vec(), 400, "max_tokens must be <= 255, got 1000"),
-        ("max_completion_tokens over", "/v1/chat/completions", br#"{"messages":[{"role":"user","content":"a"}],"max_completion_tokens":100000}"#.to_vec(), 400, "max_completion_tokens"),
-        ("prompt over max-model-len", "/v1/completions", json!({"prompt": long}).to_string().into_bytes(), 400, "maximum context length is 256"),
-        ("never fits the KV cache", "/v1/completions", br#"{"prompt":"a b c","max_tokens":200}"#.to_vec(), 400, "whole cache holds 128 tokens"),
+        (
+            "max_tokens over the context",
+            "/v1/completions",
+            br#"{"prompt":"a","max_tokens":1000}"#.to_vec(),
+            400,
+            "max_tokens must be <= 255, got 1000",
+        ),
+        (
+            "max_completion_tokens over",
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"user","content":"a"}],"max_completion_tokens":100000}"#.to_vec(),
+            400,
+            "max_completion_tokens",
+        ),
+        (
+            "prompt over max-model-len",
+            "/v1/completions",
+            json!({"prompt": long}).to_string().into_bytes(),
+            400,
+            "maximum context length is 256",
+        ),
+        (
+            "never fits the KV cache",
+            "/v1/completions",
+            br#"{"prompt":"a b c","max_tokens":200}"#.to_vec(),
+            400,
+            "whole cache holds 128 tokens",
+        ),
         ("n > 1", "/v1/completions", br#"{"prompt":"a","n":2}"#.to_vec(), 400, "n must be 1"),
         ("temperature", "/v1/completions", br#"{"prompt":"a","temperature":5}"#.to_vec(), 400, "temperature"),
         ("top_p", "/v1/completions", br#"{"prompt":"a","top_p":0}"#.to_vec(), 400, "top_p"),
-        ("min_tokens over max", "/v1/completions", br#"{"prompt":"a","max_tokens":2,"min_tokens":5}"#.to_vec(), 400, "min_tokens"),
+        (
+            "min_tokens over max",
+            "/v1/completions",
+            br#"{"prompt":"a","max_tokens":2,"min_tokens":5}"#.to_vec(),
+            400,
+            "min_tokens",
+        ),
         ("logprobs", "/v1/completions", br#"{"prompt":"a","logprobs":3}"#.to_vec(), 400, "logprobs"),
         ("token id out of range", "/v1/completions", br#"{"prompt":[1,-2]}"#.to_vec(), 400, "token ids"),
         ("stop wrong type", "/v1/completions", br#"{"prompt":"a","stop":7}"#.to_vec(), 400, "stop"),

@@ -133,10 +133,7 @@ impl OutputText {
             for s in stop {
                 // longest suffix of text that is a proper prefix of s
                 for k in (1..s.len()).rev() {
-                    if self.text.len() >= k
-                        && s.is_char_boundary(k)
-                        && self.text.ends_with(&s[..k])
-                    {
+                    if self.text.len() >= k && s.is_char_boundary(k) && self.text.ends_with(&s[..k]) {
                         end = end.min(self.text.len() - k);
                         break;
                     }

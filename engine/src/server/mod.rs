@@ -135,7 +135,8 @@ impl AppState {
         prompt_field: &str,
         id: u64,
     ) -> Result<Prepared, ApiError> {
-        let params = openai::sampling_params(common, prompt.len(), prompt_field, self.limits, self.seed ^ splitmix64(id))?;
+        let params =
+            openai::sampling_params(common, prompt.len(), prompt_field, self.limits, self.seed ^ splitmix64(id))?;
         Ok(Prepared {
             prompt,
             params,

@@ -162,7 +162,10 @@ pub fn chat_messages(messages: Option<Vec<Message>>) -> Result<Vec<ChatMessage>,
             if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
                 return Err(ApiError::invalid(
                     format!("messages[{i}].role"),
-                    format!("messages[{i}].role must be one of system, developer, user, assistant, tool; got {:?}", m.role),
+                    format!(
+                        "messages[{i}].role must be one of system, developer, user, assistant, tool; got {:?}",
+                        m.role
+                    ),
                 ));
             }
             let content = match m.content {
@@ -176,7 +179,9 @@ pub fn chat_messages(messages: Option<Vec<Message>>) -> Result<Vec<ChatMessage>,
                             (kind, _) => {
                                 return Err(ApiError::invalid(
                                     format!("messages[{i}].content[{j}]"),
-                                    format!("messages[{i}].content[{j}]: only text parts are supported, got type {kind:?}"),
+                                    format!(
+                                        "messages[{i}].content[{j}]: only text parts are supported, got type {kind:?}"
+                                    ),
                                 ))
                             }
                         }
@@ -214,7 +219,10 @@ pub fn completion_prompt(prompt: Option<Prompt>) -> Result<PromptInput, ApiError
         Prompt::TokenBatches(mut v) if v.len() == 1 => tokens(v.remove(0))?,
         Prompt::Tokens(v) => tokens(v)?,
         Prompt::Texts(_) | Prompt::TokenBatches(_) => {
-            return Err(ApiError::invalid("prompt", "batched prompts are not supported yet: send one prompt per request"))
+            return Err(ApiError::invalid(
+                "prompt",
+                "batched prompts are not supported yet: send one prompt per request",
+            ))
         }
     };
     match &input {
@@ -245,7 +253,10 @@ pub fn sampling_params(
 ) -> Result<SamplingParams, ApiError> {
     if let Some(n) = c.n {
         if n != 1 {
-            return Err(ApiError::invalid("n", format!("n must be 1 (several choices are not supported yet), got {n}")));
+            return Err(ApiError::invalid(
+                "n",
+                format!("n must be 1 (several choices are not supported yet), got {n}"),
+            ));
         }
     }
     match &c.logprobs {
@@ -332,7 +343,10 @@ pub fn sampling_params(
         None => 0,
         Some(v) if v < 0 => return Err(ApiError::invalid("min_tokens", format!("min_tokens must be >= 0, got {v}"))),
         Some(v) if v as u64 > max_tokens as u64 => {
-            return Err(ApiError::invalid("min_tokens", format!("min_tokens must be <= {field} ({max_tokens}), got {v}")))
+            return Err(ApiError::invalid(
+                "min_tokens",
+                format!("min_tokens must be <= {field} ({max_tokens}), got {v}"),
+            ))
         }
         Some(v) => v as usize,
     };
@@ -349,7 +363,8 @@ pub fn sampling_params(
         .iter()
         .flatten()
         .map(|&t| {
-            u32::try_from(t).map_err(|_| ApiError::invalid("stop_token_ids", format!("stop_token_ids must be token ids, got {t}")))
+            u32::try_from(t)
+                .map_err(|_| ApiError::invalid("stop_token_ids", format!("stop_token_ids must be token ids, got {t}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
     Ok(SamplingParams {

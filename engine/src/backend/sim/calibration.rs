@@ -54,16 +54,116 @@ pub struct Scenario {
 
 /// The published figures we calibrate against (see `shared/design/SIM-CALIBRATION.md`).
 pub const SCENARIOS: &[Scenario] = &[
-    Scenario { profile: "h100-llama3-8b", tp: None, workload: "1 stream, 741 output tokens", requests: 1, input_len: 128, output_len: 741, figure: Figure::MeanItlMs, published: 7.05, source: "LambdaLabsML/vllm-benchmark 1xH100 (vLLM 0.6.0)" },
-    Scenario { profile: "h100-llama3-8b", tp: None, workload: "10 prompts, 1,369 tokens prefilled together", requests: 10, input_len: 137, output_len: 1, figure: Figure::MeanTtftMs, published: 62.0, source: "LambdaLabsML/vllm-benchmark 1xH100 (vLLM 0.6.0)" },
-    Scenario { profile: "h100-llama3-8b", tp: None, workload: "batch 8, 32 in / 128 out", requests: 8, input_len: 32, output_len: 128, figure: Figure::MeanE2eMs, published: 997.5, source: "vLLM perf CI, buildkite build 9555" },
-    Scenario { profile: "h100-llama3-8b", tp: None, workload: "2,000 requests, 462 in / 16 out, unlimited rate", requests: 2000, input_len: 462, output_len: 16, figure: Figure::RequestsPerS, published: 59.0, source: "vLLM v0.6.0 perf blog (prefill-heavy)" },
-    Scenario { profile: "h100-llama3-8b", tp: None, workload: "2,000 requests, 202 in / 179 out, unlimited rate", requests: 2000, input_len: 202, output_len: 179, figure: Figure::RequestsPerS, published: 37.0, source: "vLLM v0.6.0 perf blog (ShareGPT-like)" },
-    Scenario { profile: "h100x4-llama3-70b", tp: None, workload: "batch 8, 32 in / 128 out", requests: 8, input_len: 32, output_len: 128, figure: Figure::MeanE2eMs, published: 2444.0, source: "vLLM perf CI, buildkite build 9555" },
-    Scenario { profile: "h100x4-llama3-70b", tp: None, workload: "1 stream, 128 output tokens", requests: 1, input_len: 200, output_len: 128, figure: Figure::MeanItlMs, published: 19.4, source: "vLLM perf CI, build 9555 (mean ITL at QPS 1)" },
-    Scenario { profile: "h200-llama3-70b", tp: Some(4), workload: "4xH200 TP4, batch 8, 32 in / 128 out", requests: 8, input_len: 32, output_len: 128, figure: Figure::MeanE2eMs, published: 2075.0, source: "vLLM perf CI, buildkite build 9513" },
-    Scenario { profile: "h200-llama3-70b", tp: Some(4), workload: "4xH200 TP4, 1 stream", requests: 1, input_len: 200, output_len: 128, figure: Figure::MeanItlMs, published: 16.55, source: "vLLM perf CI, build 9513 (mean ITL)" },
-    Scenario { profile: "h100x4-llama3-70b", tp: None, workload: "2,000 requests, 202 in / 179 out, unlimited rate", requests: 2000, input_len: 202, output_len: 179, figure: Figure::RequestsPerS, published: 17.3, source: "vLLM v0.6.0 perf blog (ShareGPT-like, TP4)" },
+    Scenario {
+        profile: "h100-llama3-8b",
+        tp: None,
+        workload: "1 stream, 741 output tokens",
+        requests: 1,
+        input_len: 128,
+        output_len: 741,
+        figure: Figure::MeanItlMs,
+        published: 7.05,
+        source: "LambdaLabsML/vllm-benchmark 1xH100 (vLLM 0.6.0)",
+    },
+    Scenario {
+        profile: "h100-llama3-8b",
+        tp: None,
+        workload: "10 prompts, 1,369 tokens prefilled together",
+        requests: 10,
+        input_len: 137,
+        output_len: 1,
+        figure: Figure::MeanTtftMs,
+        published: 62.0,
+        source: "LambdaLabsML/vllm-benchmark 1xH100 (vLLM 0.6.0)",
+    },
+    Scenario {
+        profile: "h100-llama3-8b",
+        tp: None,
+        workload: "batch 8, 32 in / 128 out",
+        requests: 8,
+        input_len: 32,
+        output_len: 128,
+        figure: Figure::MeanE2eMs,
+        published: 997.5,
+        source: "vLLM perf CI, buildkite build 9555",
+    },
+    Scenario {
+        profile: "h100-llama3-8b",
+        tp: None,
+        workload: "2,000 requests, 462 in / 16 out, unlimited rate",
+        requests: 2000,
+        input_len: 462,
+        output_len: 16,
+        figure: Figure::RequestsPerS,
+        published: 59.0,
+        source: "vLLM v0.6.0 perf blog (prefill-heavy)",
+    },
+    Scenario {
+        profile: "h100-llama3-8b",
+        tp: None,
+        workload: "2,000 requests, 202 in / 179 out, unlimited rate",
+        requests: 2000,
+        input_len: 202,
+        output_len: 179,
+        figure: Figure::RequestsPerS,
+        published: 37.0,
+        source: "vLLM v0.6.0 perf blog (ShareGPT-like)",
+    },
+    Scenario {
+        profile: "h100x4-llama3-70b",
+        tp: None,
+        workload: "batch 8, 32 in / 128 out",
+        requests: 8,
+        input_len: 32,
+        output_len: 128,
+        figure: Figure::MeanE2eMs,
+        published: 2444.0,
+        source: "vLLM perf CI, buildkite build 9555",
+    },
+    Scenario {
+        profile: "h100x4-llama3-70b",
+        tp: None,
+        workload: "1 stream, 128 output tokens",
+        requests: 1,
+        input_len: 200,
+        output_len: 128,
+        figure: Figure::MeanItlMs,
+        published: 19.4,
+        source: "vLLM perf CI, build 9555 (mean ITL at QPS 1)",
+    },
+    Scenario {
+        profile: "h200-llama3-70b",
+        tp: Some(4),
+        workload: "4xH200 TP4, batch 8, 32 in / 128 out",
+        requests: 8,
+        input_len: 32,
+        output_len: 128,
+        figure: Figure::MeanE2eMs,
+        published: 2075.0,
+        source: "vLLM perf CI, buildkite build 9513",
+    },
+    Scenario {
+        profile: "h200-llama3-70b",
+        tp: Some(4),
+        workload: "4xH200 TP4, 1 stream",
+        requests: 1,
+        input_len: 200,
+        output_len: 128,
+        figure: Figure::MeanItlMs,
+        published: 16.55,
+        source: "vLLM perf CI, build 9513 (mean ITL)",
+    },
+    Scenario {
+        profile: "h100x4-llama3-70b",
+        tp: None,
+        workload: "2,000 requests, 202 in / 179 out, unlimited rate",
+        requests: 2000,
+        input_len: 202,
+        output_len: 179,
+        figure: Figure::RequestsPerS,
+        published: 17.3,
+        source: "vLLM v0.6.0 perf blog (ShareGPT-like, TP4)",
+    },
 ];
 
 /// Timings of one request in a virtual run, seconds from t = 0.
@@ -114,10 +214,12 @@ pub fn model_value(s: &Scenario) -> f64 {
     let (runs, total) = run_virtual(&p, s.requests, s.input_len, s.output_len);
     let mean = |f: &dyn Fn(&VirtualTimings) -> f64| runs.iter().map(f).sum::<f64>() / runs.len() as f64;
     match s.figure {
-        Figure::MeanItlMs => mean(&|t| {
-            let n = t.token_times.len();
-            (t.token_times[n - 1] - t.token_times[0]) / (n - 1) as f64
-        }) * 1e3,
+        Figure::MeanItlMs => {
+            mean(&|t| {
+                let n = t.token_times.len();
+                (t.token_times[n - 1] - t.token_times[0]) / (n - 1) as f64
+            }) * 1e3
+        }
         Figure::MeanTtftMs => mean(&|t| t.token_times[0]) * 1e3,
         Figure::MeanE2eMs => mean(&|t| *t.token_times.last().unwrap()) * 1e3,
         Figure::RequestsPerS => runs.len() as f64 / total,
@@ -135,7 +237,10 @@ mod tests {
         for s in SCENARIOS {
             let m = model_value(s);
             let ratio = m / s.published;
-            report.push_str(&format!("{:<20} {:<50} model {m:>9.2} published {:>9.2} ratio {ratio:.2}\n", s.profile, s.workload, s.published));
+            report.push_str(&format!(
+                "{:<20} {:<50} model {m:>9.2} published {:>9.2} ratio {ratio:.2}\n",
+                s.profile, s.workload, s.published
+            ));
             worst = if (ratio - 1.0).abs() > (worst - 1.0).abs() { ratio } else { worst };
         }
         eprintln!("{report}");

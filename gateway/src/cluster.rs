@@ -1,0 +1,323 @@
+//! The cluster: every backend, its scraped signal, the gateway's own counters and health.
+//!
+//! Membership is an immutable [`ClusterView`] (a list of `Arc<Backend>`) published through
+//! `ArcSwap`: discovery and config reloads build a new view and swap it in; a request loads
+//! the current view once and never blocks. A backend that stays across a reload keeps its
+//! `Arc`, so its counters and health survive.
+//!
+//! Per backend, what changes often lives in cheap shared cells: the scraper swaps in a new
+//! [`Scraped`] (`ArcSwap`), the request path bumps atomic counters, and the passive health
+//! state ([`Health`]) sits behind a small mutex touched once per request outcome.
+//!
+//! ## Health
+//! - **Down**: `scrape.down_after_failures` consecutive failed scrapes (the scraper is the
+//!   active probe; it keeps probing a down backend and brings it back on the first success).
+//! - **Ejected**: `health.consecutive_failures` consecutive 5xx answers or connection
+//!   errors eject a backend for `health.ejection_ms`, unless that would eject more than
+//!   `health.max_ejection_percent` of the backends (one may always be ejected).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use switchyard_shim::LoadSignal;
+
+use crate::config::HealthConfig;
+use crate::policy::{Candidate, SignalView};
+
+/// What the scraper last learned about a backend.
+#[derive(Debug, Clone, Default)]
+pub struct Scraped {
+    /// Last good signal and when it was taken.
+    pub signal: Option<(LoadSignal, Instant)>,
+    /// Models from `/v1/models` (or the configured override).
+    pub models: Vec<String>,
+    /// Consecutive failed scrapes.
+    pub consecutive_failures: u32,
+    /// Last scrape error.
+    pub last_error: Option<String>,
+    /// Whether any scrape has been attempted.
+    pub probed: bool,
+}
+
+/// Passive health state.
+#[derive(Debug, Clone, Default)]
+pub struct Health {
+    /// Consecutive failed requests.
+    pub consecutive_failures: u32,
+    /// Ejected until this instant.
+    pub ejected_until: Option<Instant>,
+    /// Why it was last ejected.
+    pub last_ejection_reason: Option<String>,
+    /// Times ejected.
+    pub ejections: u64,
+}
+
+/// What discovery says about one backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendSpec {
+    /// `http://host:port`.
+    pub url: String,
+    /// `host:port`.
+    pub authority: String,
+    /// Resolved address (`None` when the name did not resolve: the backend stays down).
+    pub addr: Option<SocketAddr>,
+    /// Configured model list.
+    pub models: Option<Vec<String>>,
+}
+
+/// One engine endpoint.
+#[derive(Debug)]
+pub struct Backend {
+    /// `http://host:port` as configured.
+    pub url: String,
+    /// `host:port`.
+    pub authority: String,
+    /// Resolved address.
+    pub addr: Option<SocketAddr>,
+    /// Models from the config, overriding `/v1/models`.
+    pub configured_models: Option<Vec<String>>,
+    /// Scraper output.
+    pub scraped: ArcSwap<Scraped>,
+    /// Requests in flight from this gateway.
+    pub inflight: AtomicU64,
+    /// Requests routed here in all.
+    pub routed: AtomicU64,
+    /// Passive health.
+    pub health: Mutex<Health>,
+    /// Times the scraper saw this backend's counters go backwards (a restart).
+    pub restarts: AtomicU32,
+}
+
+impl Backend {
+    /// A new backend with nothing known yet.
+    pub fn new(spec: &BackendSpec) -> Self {
+        let configured_models = spec.models.clone();
+        let models = configured_models.clone().unwrap_or_default();
+        Backend {
+            url: spec.url.trim_end_matches('/').to_string(),
+            authority: spec.authority.clone(),
+            addr: spec.addr,
+            configured_models,
+            scraped: ArcSwap::from_pointee(Scraped { models, ..Default::default() }),
+            inflight: AtomicU64::new(0),
+            routed: AtomicU64::new(0),
+            health: Mutex::new(Health::default()),
+            restarts: AtomicU32::new(0),
+        }
+    }
+
+    /// Routing state now.
+    pub fn state(&self, now: Instant, down_after_failures: u32) -> BackendState {
+        if let Some(until) = self.health.lock().expect("health lock").ejected_until {
+            if until > now {
+                return BackendState::Ejected;
+            }
+        }
+        if self.addr.is_none() || self.scraped.load().consecutive_failures >= down_after_failures {
+            return BackendState::Down;
+        }
+        BackendState::Up
+    }
+
+    /// Whether this backend serves `model`.
+    pub fn serves(&self, model: &str) -> bool {
+        self.scraped.load().models.iter().any(|m| m == model)
+    }
+
+    /// The fresh signal, if any.
+    pub fn fresh_signal(&self, now: Instant, stale_after: Duration) -> Option<SignalView> {
+        let scraped = self.scraped.load();
+        let (s, at) = scraped.signal.as_ref()?;
+        (now.saturating_duration_since(*at) <= stale_after).then(|| SignalView {
+            waiting: s.waiting,
+            running: s.running,
+            kv_usage: s.kv_usage.unwrap_or(0.0),
+        })
+    }
+
+    /// Count a successful exchange (resets the failure streak).
+    pub fn record_success(&self) {
+        self.health.lock().expect("health lock").consecutive_failures = 0;
+    }
+}
+
+/// A backend's routing state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendState {
+    /// Routable.
+    Up,
+    /// Scrapes failing.
+    Down,
+    /// Ejected after request failures.
+    Ejected,
+}
+
+impl BackendState {
+    /// Label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendState::Up => "up",
+            BackendState::Down => "down",
+            BackendState::Ejected => "ejected",
+        }
+    }
+}
+
+/// An immutable membership snapshot.
+#[derive(Debug, Default)]
+pub struct ClusterView {
+    /// Backends, in configuration order.
+    pub backends: Vec<Arc<Backend>>,
+}
+
+impl ClusterView {
+    /// Build a view for `wanted`, reusing backends of `previous` with the same URL, address
+    /// and model override.
+    pub fn rebuild(previous: &ClusterView, wanted: &[BackendSpec]) -> ClusterView {
+        let backends = wanted
+            .iter()
+            .map(|spec| {
+                let url = spec.url.trim_end_matches('/');
+                previous
+                    .backends
+                    .iter()
+                    .find(|b| b.url == url && b.addr == spec.addr && b.configured_models == spec.models)
+                    .cloned()
+                    .unwrap_or_else(|| Arc::new(Backend::new(spec)))
+            })
+            .collect();
+        ClusterView { backends }
+    }
+
+    /// Routable candidates for `model`, skipping `exclude`d positions. Also says whether any
+    /// backend (routable or not) serves the model.
+    pub fn candidates(
+        &self,
+        model: &str,
+        exclude: &[usize],
+        now: Instant,
+        down_after_failures: u32,
+        stale_after: Duration,
+    ) -> (Vec<Candidate>, bool) {
+        let mut known = false;
+        let mut out = Vec::with_capacity(self.backends.len());
+        for (index, b) in self.backends.iter().enumerate() {
+            if !b.serves(model) {
+                continue;
+            }
+            known = true;
+            if exclude.contains(&index) || b.state(now, down_after_failures) != BackendState::Up {
+                continue;
+            }
+            out.push(Candidate {
+                index,
+                inflight: b.inflight.load(Ordering::Relaxed),
+                signal: b.fresh_signal(now, stale_after),
+            });
+        }
+        (out, known)
+    }
+
+    /// Every model served by an up backend, sorted and deduplicated.
+    pub fn models(&self) -> Vec<String> {
+        let mut all: Vec<String> = self.backends.iter().flat_map(|b| b.scraped.load().models.clone()).collect();
+        all.sort();
+        all.dedup();
+        all
+    }
+
+    /// Record a failed request to backend `index`; ejects it when the streak reaches the
+    /// threshold and the ejection cap allows. Returns true when it was ejected now.
+    pub fn record_failure(&self, index: usize, reason: &str, now: Instant, cfg: &HealthConfig) -> bool {
+        let ejected_now = self
+            .backends
+            .iter()
+            .filter(|b| b.health.lock().expect("health lock").ejected_until.is_some_and(|u| u > now))
+            .count();
+        let cap = ((self.backends.len() * cfg.max_ejection_percent as usize) / 100).max(1);
+        let mut h = self.backends[index].health.lock().expect("health lock");
+        h.consecutive_failures += 1;
+        let already = h.ejected_until.is_some_and(|u| u > now);
+        if h.consecutive_failures >= cfg.consecutive_failures && !already && ejected_now < cap {
+            h.ejected_until = Some(now + Duration::from_millis(cfg.ejection_ms));
+            h.last_ejection_reason = Some(format!("{} consecutive failures, last: {reason}", h.consecutive_failures));
+            h.ejections += 1;
+            h.consecutive_failures = 0;
+            return true;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(i: usize) -> BackendSpec {
+        BackendSpec {
+            url: format!("http://10.0.0.{i}:8000"),
+            authority: format!("10.0.0.{i}:8000"),
+            addr: Some(format!("10.0.0.{i}:8000").parse().unwrap()),
+            models: Some(vec!["m".into()]),
+        }
+    }
+
+    fn view(n: usize) -> ClusterView {
+        let wanted: Vec<_> = (0..n).map(spec).collect();
+        ClusterView::rebuild(&ClusterView::default(), &wanted)
+    }
+
+    #[test]
+    fn consecutive_failures_eject_within_the_cap() {
+        let v = view(4);
+        let cfg = HealthConfig { consecutive_failures: 3, ejection_ms: 1000, max_ejection_percent: 25 };
+        let now = Instant::now();
+        assert!(!v.record_failure(0, "500", now, &cfg));
+        assert!(!v.record_failure(0, "500", now, &cfg));
+        assert!(v.record_failure(0, "500", now, &cfg));
+        assert_eq!(v.backends[0].state(now, 3), BackendState::Ejected);
+        // 25% of 4 = 1 ejected at most: backend 1 stays in.
+        for _ in 0..5 {
+            assert!(!v.record_failure(1, "500", now, &cfg));
+        }
+        assert_eq!(v.backends[1].state(now, 3), BackendState::Up);
+        // After the ejection time, it is back.
+        assert_eq!(v.backends[0].state(now + Duration::from_millis(1001), 3), BackendState::Up);
+    }
+
+    #[test]
+    fn a_success_resets_the_streak() {
+        let v = view(2);
+        let cfg = HealthConfig { consecutive_failures: 2, ejection_ms: 1000, max_ejection_percent: 50 };
+        let now = Instant::now();
+        v.record_failure(0, "connect", now, &cfg);
+        v.backends[0].record_success();
+        assert!(!v.record_failure(0, "connect", now, &cfg));
+    }
+
+    #[test]
+    fn rebuild_keeps_surviving_backends_and_their_counters() {
+        let v = view(2);
+        v.backends[1].routed.store(42, Ordering::Relaxed);
+        let wanted = vec![spec(1), spec(9)];
+        let v2 = ClusterView::rebuild(&v, &wanted);
+        assert!(Arc::ptr_eq(&v.backends[1], &v2.backends[0]));
+        assert_eq!(v2.backends[0].routed.load(Ordering::Relaxed), 42);
+        assert_eq!(v2.backends[1].routed.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn candidates_skip_other_models_excluded_and_unhealthy() {
+        let v = view(3);
+        let now = Instant::now();
+        let (c, known) = v.candidates("m", &[1], now, 3, Duration::from_secs(2));
+        assert!(known);
+        assert_eq!(c.iter().map(|x| x.index).collect::<Vec<_>>(), vec![0, 2]);
+        assert!(c.iter().all(|x| x.signal.is_none()), "nothing scraped yet");
+        let (c, known) = v.candidates("other", &[], now, 3, Duration::from_secs(2));
+        assert!(c.is_empty() && !known);
+    }
+}

@@ -1,0 +1,422 @@
+//! Gateway configuration: the YAML file, its defaults and its validation.
+//!
+//! `GatewayConfig::load(path)` reads, parses (unknown keys are errors) and validates; every
+//! problem is reported with its field path, the value given and the reason, all at once
+//! (`switchyard-gateway --validate FILE` prints them). Durations are milliseconds in the
+//! file (`_ms` keys) and [`Duration`]s through the accessors.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::error::{ConfigError, FieldError};
+use crate::policy::PolicyConfig;
+
+/// Default `listen`.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+/// Default `admin_listen`.
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
+/// Default `limits.max_body_bytes` (16 MiB).
+pub const DEFAULT_MAX_BODY_BYTES: u64 = 16 * 1024 * 1024;
+
+/// The whole file.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GatewayConfig {
+    /// OpenAI API listener (also `/-/healthz`, `/-/ready`).
+    pub listen: String,
+    /// Admin listener (`/metrics`, `/admin/backends`).
+    pub admin_listen: String,
+    /// Worker threads of the proxy (0 = one per CPU).
+    pub threads: usize,
+    /// Where backends come from.
+    pub discovery: DiscoveryConfig,
+    /// Metric scraping.
+    pub scrape: ScrapeConfig,
+    /// Routing policy.
+    pub policy: PolicyConfig,
+    /// Request limits.
+    pub limits: LimitsConfig,
+    /// Timeouts.
+    pub timeouts: TimeoutsConfig,
+    /// Retries.
+    pub retries: RetriesConfig,
+    /// Passive health checking (ejection).
+    pub health: HealthConfig,
+    /// Graceful shutdown.
+    pub shutdown: ShutdownConfig,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            listen: DEFAULT_LISTEN.into(),
+            admin_listen: DEFAULT_ADMIN_LISTEN.into(),
+            threads: 0,
+            discovery: DiscoveryConfig::default(),
+            scrape: ScrapeConfig::default(),
+            policy: PolicyConfig::default(),
+            limits: LimitsConfig::default(),
+            timeouts: TimeoutsConfig::default(),
+            retries: RetriesConfig::default(),
+            health: HealthConfig::default(),
+            shutdown: ShutdownConfig::default(),
+        }
+    }
+}
+
+/// Backend discovery.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// A fixed list of engines.
+    #[serde(rename = "static")]
+    pub static_backends: Vec<StaticBackend>,
+}
+
+/// One statically configured engine.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StaticBackend {
+    /// `http://host:port` of the engine (or its shim).
+    pub url: String,
+    /// Models it serves; when absent they are read from its `/v1/models`.
+    #[serde(default)]
+    pub models: Option<Vec<String>>,
+}
+
+/// Scraping of each backend's `/metrics`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScrapeConfig {
+    /// Time between scrapes of one backend.
+    pub interval_ms: u64,
+    /// Deadline of one scrape.
+    pub timeout_ms: u64,
+    /// A signal older than this is stale: policies fall back to in-flight counts.
+    pub stale_after_ms: u64,
+    /// Consecutive failed scrapes after which a backend is marked down.
+    pub down_after_failures: u32,
+}
+
+impl Default for ScrapeConfig {
+    fn default() -> Self {
+        ScrapeConfig { interval_ms: 100, timeout_ms: 500, stale_after_ms: 2000, down_after_failures: 3 }
+    }
+}
+
+/// Request limits.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Largest request body; larger ones get 413 before any upstream connection.
+    pub max_body_bytes: u64,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig { max_body_bytes: DEFAULT_MAX_BODY_BYTES }
+    }
+}
+
+/// Timeouts of the upstream leg and of reading the request.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TimeoutsConfig {
+    /// TCP connect to an engine.
+    pub connect_ms: u64,
+    /// From sending the request to the engine's response header (covers queueing + prefill).
+    pub first_byte_ms: u64,
+    /// Longest gap between two response chunks.
+    pub idle_ms: u64,
+    /// Reading the whole request body from the client.
+    pub request_body_ms: u64,
+}
+
+impl Default for TimeoutsConfig {
+    fn default() -> Self {
+        TimeoutsConfig { connect_ms: 1000, first_byte_ms: 600_000, idle_ms: 60_000, request_body_ms: 30_000 }
+    }
+}
+
+/// Retries of requests that never reached an engine.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetriesConfig {
+    /// Attempts in all (1 = no retry).
+    pub max_attempts: u32,
+}
+
+impl Default for RetriesConfig {
+    fn default() -> Self {
+        RetriesConfig { max_attempts: 3 }
+    }
+}
+
+/// Passive health: ejection of failing backends (Envoy's outlier detection).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthConfig {
+    /// Consecutive 5xx answers or connection errors that eject a backend.
+    pub consecutive_failures: u32,
+    /// How long an ejection lasts.
+    pub ejection_ms: u64,
+    /// At most this share of backends is ejected at once (at least one may always be).
+    pub max_ejection_percent: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig { consecutive_failures: 5, ejection_ms: 10_000, max_ejection_percent: 50 }
+    }
+}
+
+/// Graceful shutdown.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShutdownConfig {
+    /// After SIGTERM: readiness fails and listeners close; in-flight streams get this long.
+    pub grace_period_secs: u64,
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        ShutdownConfig { grace_period_secs: 5 }
+    }
+}
+
+/// A backend address parsed from its URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendAddr {
+    /// `host:port` as written.
+    pub authority: String,
+}
+
+/// Parse `http://host:port[/]`.
+pub fn parse_backend_url(url: &str) -> Result<BackendAddr, String> {
+    let rest = url.strip_prefix("http://").ok_or_else(|| {
+        if url.starts_with("https://") {
+            "https upstreams are not supported yet; use http://host:port".to_string()
+        } else {
+            "must start with http://".to_string()
+        }
+    })?;
+    let authority = rest.strip_suffix('/').unwrap_or(rest);
+    if authority.is_empty() || authority.contains('/') || authority.contains('@') {
+        return Err("must be http://host:port with no path".into());
+    }
+    let (host, port) = authority.rsplit_once(':').ok_or("must include a port (http://host:port)")?;
+    if host.is_empty() {
+        return Err("host is empty".into());
+    }
+    port.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(|| format!("port {port:?} is not a number in 1..65535"))?;
+    Ok(BackendAddr { authority: authority.to_string() })
+}
+
+impl GatewayConfig {
+    /// Read, parse and validate a YAML file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::Io { path: path.display().to_string(), reason: e.to_string() })?;
+        Self::parse(&text)
+    }
+
+    /// Parse and validate YAML text.
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let cfg: GatewayConfig = if text.trim().is_empty() {
+            GatewayConfig::default()
+        } else {
+            serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Check every field; all problems at once.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut errs = Vec::new();
+        let mut bad =
+            |field: String, value: String, reason: &str| errs.push(FieldError { field, value, reason: reason.into() });
+        for (name, v) in [("listen", &self.listen), ("admin_listen", &self.admin_listen)] {
+            if v.parse::<SocketAddr>().is_err() {
+                bad(name.into(), v.clone(), "must be IP:PORT");
+            }
+        }
+        if self.listen == self.admin_listen {
+            bad("admin_listen".into(), self.admin_listen.clone(), "must differ from listen");
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (i, b) in self.discovery.static_backends.iter().enumerate() {
+            if let Err(reason) = parse_backend_url(&b.url) {
+                bad(format!("discovery.static[{i}].url"), b.url.clone(), &reason);
+            } else if !seen.insert(b.url.trim_end_matches('/')) {
+                bad(format!("discovery.static[{i}].url"), b.url.clone(), "listed twice");
+            }
+            if let Some(models) = &b.models {
+                if models.is_empty() || models.iter().any(|m| m.is_empty()) {
+                    bad(
+                        format!("discovery.static[{i}].models"),
+                        format!("{models:?}"),
+                        "must list non-empty model names",
+                    );
+                }
+            }
+        }
+        let s = &self.scrape;
+        if !(10..=60_000).contains(&s.interval_ms) {
+            bad("scrape.interval_ms".into(), s.interval_ms.to_string(), "must be in 10..=60000");
+        }
+        if s.timeout_ms == 0 {
+            bad("scrape.timeout_ms".into(), "0".into(), "must be > 0");
+        }
+        if s.stale_after_ms < s.interval_ms {
+            bad("scrape.stale_after_ms".into(), s.stale_after_ms.to_string(), "must be >= scrape.interval_ms");
+        }
+        if s.down_after_failures == 0 {
+            bad("scrape.down_after_failures".into(), "0".into(), "must be >= 1");
+        }
+        if let Err(e) = self.policy.validate() {
+            bad(format!("policy.{}", e.0), e.1, &e.2);
+        }
+        if self.limits.max_body_bytes == 0 {
+            bad("limits.max_body_bytes".into(), "0".into(), "must be > 0");
+        }
+        let t = &self.timeouts;
+        for (name, v) in [
+            ("timeouts.connect_ms", t.connect_ms),
+            ("timeouts.first_byte_ms", t.first_byte_ms),
+            ("timeouts.idle_ms", t.idle_ms),
+            ("timeouts.request_body_ms", t.request_body_ms),
+        ] {
+            if v == 0 {
+                bad(name.into(), "0".into(), "must be > 0");
+            }
+        }
+        if !(1..=10).contains(&self.retries.max_attempts) {
+            bad("retries.max_attempts".into(), self.retries.max_attempts.to_string(), "must be in 1..=10");
+        }
+        if self.health.consecutive_failures == 0 {
+            bad("health.consecutive_failures".into(), "0".into(), "must be >= 1");
+        }
+        if self.health.max_ejection_percent > 100 {
+            bad("health.max_ejection_percent".into(), self.health.max_ejection_percent.to_string(), "must be <= 100");
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid(errs))
+        }
+    }
+
+    /// `listen` as an address (validated).
+    pub fn listen_addr(&self) -> SocketAddr {
+        self.listen.parse().expect("validated")
+    }
+
+    /// `admin_listen` as an address (validated).
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_listen.parse().expect("validated")
+    }
+}
+
+impl ScrapeConfig {
+    /// Scrape period.
+    pub fn interval(&self) -> Duration {
+        Duration::from_millis(self.interval_ms)
+    }
+    /// Scrape deadline.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms)
+    }
+    /// Staleness bound.
+    pub fn stale_after(&self) -> Duration {
+        Duration::from_millis(self.stale_after_ms)
+    }
+}
+
+impl TimeoutsConfig {
+    /// Connect timeout.
+    pub fn connect(&self) -> Duration {
+        Duration::from_millis(self.connect_ms)
+    }
+    /// First-byte timeout.
+    pub fn first_byte(&self) -> Duration {
+        Duration::from_millis(self.first_byte_ms)
+    }
+    /// Inter-chunk timeout.
+    pub fn idle(&self) -> Duration {
+        Duration::from_millis(self.idle_ms)
+    }
+    /// Request body deadline.
+    pub fn request_body(&self) -> Duration {
+        Duration::from_millis(self.request_body_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_documented_example_parses() {
+        let cfg = GatewayConfig::parse(
+            r#"
+listen: 127.0.0.1:8080
+admin_listen: 127.0.0.1:9090
+discovery:
+  static:
+    - url: http://127.0.0.1:8101
+    - url: http://127.0.0.1:8102
+      models: [meta-llama/Meta-Llama-3-8B-Instruct]
+scrape: { interval_ms: 100, timeout_ms: 500, stale_after_ms: 2000 }
+policy: { type: least_load }
+limits: { max_body_bytes: 16777216 }
+timeouts: { connect_ms: 1000, first_byte_ms: 600000, idle_ms: 60000 }
+retries: { max_attempts: 3 }
+"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.discovery.static_backends.len(), 2);
+        assert_eq!(cfg.retries.max_attempts, 3);
+        assert_eq!(GatewayConfig::parse("").unwrap(), GatewayConfig::default());
+    }
+
+    #[test]
+    fn every_problem_is_reported_with_its_field() {
+        let err = GatewayConfig::parse(
+            r#"
+listen: nowhere
+discovery:
+  static:
+    - url: ftp://x:1
+    - url: http://a:99999
+    - url: http://a:1
+    - url: http://a:1/
+scrape: { interval_ms: 5 }
+retries: { max_attempts: 0 }
+policy: { type: least_load, weights: { waiting: -1 } }
+"#,
+        )
+        .unwrap_err()
+        .to_string();
+        for needle in [
+            "listen: must be IP:PORT (got \"nowhere\")",
+            "discovery.static[0].url: must start with http://",
+            "discovery.static[1].url: port \"99999\"",
+            "discovery.static[3].url: listed twice",
+            "scrape.interval_ms",
+            "retries.max_attempts",
+            "policy.weights.waiting",
+        ] {
+            assert!(err.contains(needle), "missing {needle:?} in:\n{err}");
+        }
+    }
+
+    #[test]
+    fn unknown_keys_and_policies_are_rejected() {
+        assert!(GatewayConfig::parse("lisen: 1.2.3.4:5").unwrap_err().to_string().contains("lisen"));
+        assert!(GatewayConfig::parse("policy: { type: fastest }").unwrap_err().to_string().contains("fastest"));
+    }
+}

@@ -1,0 +1,68 @@
+//! # switchyard-gateway
+//!
+//! The edge proxy in front of LLM engines, on pingora. It speaks the OpenAI API, streams
+//! responses without buffering, and sends each request to the engine where it will start
+//! soonest, judged by the engines' own queue and KV-cache signals (scraped in the
+//! background) and by its own in-flight counts.
+//!
+//! Layout: [`config`] (file, validation) → [`state`] (what is in force, swapped atomically)
+//! → [`cluster`] (backends, health) → [`policy`] (pure routing decisions) → [`proxy`] (the
+//! request path) ; background services [`scrape`] and [`reload`]; [`admin`] and [`metrics`].
+
+pub mod admin;
+pub mod cluster;
+pub mod config;
+pub mod error;
+pub mod metrics;
+pub mod policy;
+pub mod proxy;
+pub mod reload;
+pub mod request;
+pub mod scrape;
+pub mod state;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use pingora::server::configuration::ServerConf;
+use pingora::server::{RunArgs, Server};
+use pingora::services::background::background_service;
+use pingora::services::listening::Service;
+
+pub use config::GatewayConfig;
+
+/// Build the pingora server for a validated config and run it until shutdown
+/// (SIGTERM: graceful, within `shutdown.grace_period_secs`; SIGINT: fast).
+pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
+    let registry = prometheus::Registry::new();
+    let metrics = metrics::GatewayMetrics::new(registry)?;
+    let threads = match config.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let conf = ServerConf {
+        threads,
+        grace_period_seconds: Some(config.shutdown.grace_period_secs),
+        graceful_shutdown_timeout_seconds: Some(1),
+        ..ServerConf::default()
+    };
+    let (listen, admin_listen) = (config.listen.clone(), config.admin_listen.clone());
+    let state = state::GatewayState::new(config, metrics);
+
+    let mut server = Server::new_with_opt_and_conf(None, conf);
+    server.bootstrap();
+    let mut proxy = Service::new("switchyard-proxy".into(), proxy::ProxyApp::new(state.clone()));
+    proxy.add_tcp(&listen);
+    let mut admin = Service::new("switchyard-admin".into(), admin::AdminApp::new(state.clone()));
+    admin.add_tcp(&admin_listen);
+    server.add_service(proxy);
+    server.add_service(admin);
+    server.add_service(background_service("scraper", scrape::Scraper::new(state.clone())));
+    server.add_service(background_service("config-reloader", reload::Reloader::new(state, config_path)));
+    tracing::info!(%listen, %admin_listen, threads, "switchyard-gateway starting");
+    server.run(RunArgs::default());
+    Ok(())
+}
+
+/// The shared state type, re-exported for tests.
+pub type SharedState = Arc<state::GatewayState>;

@@ -1,0 +1,125 @@
+//! The gateway's own Prometheus metrics, all prefixed `switchyard_`.
+//!
+//! The registry is created in `main` and passed in. Per-backend gauges (in-flight, waiting,
+//! KV usage, up) are filled from the cluster snapshot when `/metrics` is scraped, so the
+//! request path only touches counters and histograms.
+
+use prometheus::{
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+
+use crate::cluster::{BackendState, ClusterView};
+
+/// Latency buckets (seconds) for TTFT and request duration.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0,
+];
+
+/// Handles to every gateway series.
+#[derive(Clone)]
+pub struct GatewayMetrics {
+    registry: Registry,
+    /// Requests by backend (`none` when not routed) and status code.
+    pub requests: IntCounterVec,
+    /// Whole request duration.
+    pub duration: Histogram,
+    /// Arrival to first upstream body chunk, by backend.
+    pub ttft: HistogramVec,
+    /// Routing decisions by policy and reason.
+    pub decisions: IntCounterVec,
+    /// Retries.
+    pub retries: IntCounter,
+    /// Upstream failures by kind.
+    pub upstream_errors: IntCounterVec,
+    /// Config reloads by result.
+    pub config_reloads: IntCounterVec,
+    inflight: IntGaugeVec,
+    waiting: GaugeVec,
+    kv_usage: GaugeVec,
+    up: IntGaugeVec,
+}
+
+impl GatewayMetrics {
+    /// Create and register every series in `registry`.
+    pub fn new(registry: Registry) -> prometheus::Result<Self> {
+        let m = GatewayMetrics {
+            requests: IntCounterVec::new(
+                Opts::new("switchyard_requests_total", "Requests by backend and status."),
+                &["backend", "code"],
+            )?,
+            duration: Histogram::with_opts(
+                HistogramOpts::new("switchyard_request_duration_seconds", "Request duration at the gateway.")
+                    .buckets(LATENCY_BUCKETS.to_vec()),
+            )?,
+            ttft: HistogramVec::new(
+                HistogramOpts::new("switchyard_ttft_seconds", "Arrival to first response chunk from the engine.")
+                    .buckets(LATENCY_BUCKETS.to_vec()),
+                &["backend"],
+            )?,
+            decisions: IntCounterVec::new(
+                Opts::new("switchyard_routing_decisions_total", "Routing decisions by policy and reason."),
+                &["policy", "reason"],
+            )?,
+            retries: IntCounter::new("switchyard_retries_total", "Attempts retried on another backend.")?,
+            upstream_errors: IntCounterVec::new(
+                Opts::new("switchyard_upstream_errors_total", "Upstream failures by kind."),
+                &["kind"],
+            )?,
+            config_reloads: IntCounterVec::new(
+                Opts::new("switchyard_config_reloads_total", "Config reloads by result."),
+                &["result"],
+            )?,
+            inflight: IntGaugeVec::new(
+                Opts::new("switchyard_backend_inflight", "Requests in flight per backend."),
+                &["backend"],
+            )?,
+            waiting: GaugeVec::new(
+                Opts::new("switchyard_backend_waiting", "Scraped waiting requests per backend."),
+                &["backend"],
+            )?,
+            kv_usage: GaugeVec::new(
+                Opts::new("switchyard_backend_kv_usage", "Scraped KV cache usage per backend."),
+                &["backend"],
+            )?,
+            up: IntGaugeVec::new(Opts::new("switchyard_backend_up", "1 when the backend is routable."), &["backend"])?,
+            registry,
+        };
+        m.registry.register(Box::new(m.requests.clone()))?;
+        m.registry.register(Box::new(m.duration.clone()))?;
+        m.registry.register(Box::new(m.ttft.clone()))?;
+        m.registry.register(Box::new(m.decisions.clone()))?;
+        m.registry.register(Box::new(m.retries.clone()))?;
+        m.registry.register(Box::new(m.upstream_errors.clone()))?;
+        m.registry.register(Box::new(m.config_reloads.clone()))?;
+        m.registry.register(Box::new(m.inflight.clone()))?;
+        m.registry.register(Box::new(m.waiting.clone()))?;
+        m.registry.register(Box::new(m.kv_usage.clone()))?;
+        m.registry.register(Box::new(m.up.clone()))?;
+        for r in ["ok", "error"] {
+            m.config_reloads.with_label_values(&[r]);
+        }
+        Ok(m)
+    }
+
+    /// Prometheus text of every series, with per-backend gauges taken from `view` now.
+    pub fn render(&self, view: &ClusterView, now: std::time::Instant, down_after: u32) -> Vec<u8> {
+        self.inflight.reset();
+        self.waiting.reset();
+        self.kv_usage.reset();
+        self.up.reset();
+        for b in &view.backends {
+            let l = [b.url.as_str()];
+            self.inflight.with_label_values(&l).set(b.inflight.load(std::sync::atomic::Ordering::Relaxed) as i64);
+            self.up.with_label_values(&l).set(i64::from(b.state(now, down_after) == BackendState::Up));
+            if let Some((s, _)) = &b.scraped.load().signal {
+                self.waiting.with_label_values(&l).set(s.waiting);
+                self.kv_usage.with_label_values(&l).set(s.kv_usage.unwrap_or(0.0));
+            }
+        }
+        let mut buf = Vec::new();
+        TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding cannot fail");
+        buf
+    }
+}

@@ -1,0 +1,201 @@
+//! Routing policies: pure functions from a request and the candidates to a pick.
+//!
+//! The request path turns the current cluster snapshot into a slice of [`Candidate`]s —
+//! plain values: the backend's position, the gateway's own in-flight count for it, and its
+//! scraped load signal if that is fresh — and asks the configured [`Policy`] to choose.
+//! Policies do no I/O, read no clock and keep no global state; randomness comes from the
+//! caller's RNG, so tests pass a seeded one and expect exact picks.
+//!
+//! **Stale signals.** If any candidate has no fresh signal, load-based policies compare
+//! *every* candidate by in-flight count alone (reason `stale_signal_fallback`): mixing a
+//! scraped queue length for one backend with an in-flight count for another would compare
+//! different units and pile traffic onto whichever looks emptier by accident.
+//!
+//! | `type` | picks |
+//! |---|---|
+//! | `round_robin` | the next candidate in turn |
+//! | `random` | a uniformly random candidate |
+//! | `least_request` | the fewest gateway in-flight requests (ties at random) |
+//! | `power_of_two` | the less loaded of two distinct random candidates (load as `least_load`) |
+//! | `least_load` | the lowest weighted load (see [`LoadWeights`]) |
+
+mod least_load;
+mod round_robin;
+
+use std::sync::atomic::AtomicUsize;
+
+use rand::Rng;
+use serde::Deserialize;
+
+pub use least_load::{load_score, LoadWeights};
+
+/// A fresh scraped signal, as the policies see it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SignalView {
+    /// Requests queued in the engine.
+    pub waiting: f64,
+    /// Requests in the engine's running batch.
+    pub running: f64,
+    /// KV cache usage 0..=1 (0 when the engine does not report it).
+    pub kv_usage: f64,
+}
+
+/// One backend that can take the request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    /// Position in the cluster snapshot (returned in the decision).
+    pub index: usize,
+    /// Requests this gateway has in flight to it.
+    pub inflight: u64,
+    /// Scraped signal, `None` when missing or stale.
+    pub signal: Option<SignalView>,
+}
+
+/// What the policy knows of the request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RouteInput<'a> {
+    /// Requested model.
+    pub model: &'a str,
+}
+
+/// A policy's choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    /// `Candidate::index` of the pick.
+    pub index: usize,
+    /// Why (a metric label and access-log field).
+    pub reason: &'static str,
+}
+
+/// A routing policy.
+pub trait Policy: Send + Sync {
+    /// The policy's `type` name.
+    fn name(&self) -> &'static str;
+    /// Choose among non-empty `candidates`.
+    fn select(&self, input: &RouteInput<'_>, candidates: &[Candidate], rng: &mut dyn rand::RngCore) -> Decision;
+}
+
+/// `policy:` in the config file.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum PolicyConfig {
+    /// Round robin.
+    RoundRobin,
+    /// Uniform random.
+    Random,
+    /// Fewest in-flight requests.
+    LeastRequest,
+    /// Power of two choices.
+    PowerOfTwo {
+        /// Load weights.
+        #[serde(default)]
+        weights: LoadWeights,
+    },
+    /// Least weighted load.
+    LeastLoad {
+        /// Load weights.
+        #[serde(default)]
+        weights: LoadWeights,
+    },
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig::LeastLoad { weights: LoadWeights::default() }
+    }
+}
+
+impl PolicyConfig {
+    /// `Err((field, value, reason))` for an invalid knob.
+    pub fn validate(&self) -> Result<(), (String, String, String)> {
+        match self {
+            PolicyConfig::PowerOfTwo { weights } | PolicyConfig::LeastLoad { weights } => weights.validate(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Build the policy.
+    pub fn build(&self) -> Box<dyn Policy> {
+        match self {
+            PolicyConfig::RoundRobin => Box::new(round_robin::RoundRobin { next: AtomicUsize::new(0) }),
+            PolicyConfig::Random => Box::new(RandomPolicy),
+            PolicyConfig::LeastRequest => Box::new(LeastRequest),
+            PolicyConfig::PowerOfTwo { weights } => Box::new(PowerOfTwo { weights: *weights }),
+            PolicyConfig::LeastLoad { weights } => Box::new(least_load::LeastLoad { weights: *weights }),
+        }
+    }
+}
+
+/// Index into `candidates` of a minimum of `key`, ties broken uniformly at random.
+fn argmin_random_tie<K: PartialOrd + Copy>(
+    candidates: &[Candidate],
+    rng: &mut dyn rand::RngCore,
+    key: impl Fn(&Candidate) -> K,
+) -> usize {
+    let mut best = 0;
+    let mut ties = 1u32;
+    for i in 1..candidates.len() {
+        let (k, b) = (key(&candidates[i]), key(&candidates[best]));
+        if k < b {
+            best = i;
+            ties = 1;
+        } else if k == b {
+            ties += 1;
+            if rng.random_range(0..ties) == 0 {
+                best = i;
+            }
+        }
+    }
+    best
+}
+
+struct RandomPolicy;
+
+impl Policy for RandomPolicy {
+    fn name(&self) -> &'static str {
+        "random"
+    }
+    fn select(&self, _: &RouteInput<'_>, c: &[Candidate], rng: &mut dyn rand::RngCore) -> Decision {
+        Decision { index: c[rng.random_range(0..c.len())].index, reason: "random" }
+    }
+}
+
+struct LeastRequest;
+
+impl Policy for LeastRequest {
+    fn name(&self) -> &'static str {
+        "least_request"
+    }
+    fn select(&self, _: &RouteInput<'_>, c: &[Candidate], rng: &mut dyn rand::RngCore) -> Decision {
+        let i = argmin_random_tie(c, rng, |x| x.inflight);
+        Decision { index: c[i].index, reason: "least_inflight" }
+    }
+}
+
+struct PowerOfTwo {
+    weights: LoadWeights,
+}
+
+impl Policy for PowerOfTwo {
+    fn name(&self) -> &'static str {
+        "power_of_two"
+    }
+    fn select(&self, _: &RouteInput<'_>, c: &[Candidate], rng: &mut dyn rand::RngCore) -> Decision {
+        if c.len() == 1 {
+            return Decision { index: c[0].index, reason: "single_candidate" };
+        }
+        // Two distinct positions: draw a in 0..n, b in 0..n-1 and skip over a.
+        let a = rng.random_range(0..c.len());
+        let mut b = rng.random_range(0..c.len() - 1);
+        if b >= a {
+            b += 1;
+        }
+        let fresh = c.iter().all(|x| x.signal.is_some());
+        let (sa, sb) = (load_score(&self.weights, &c[a], fresh), load_score(&self.weights, &c[b], fresh));
+        let pick = if sb < sa { b } else { a };
+        Decision { index: c[pick].index, reason: if fresh { "p2c_load" } else { "stale_signal_fallback" } }
+    }
+}
+
+#[cfg(test)]
+mod tests;

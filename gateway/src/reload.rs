@@ -1,0 +1,98 @@
+//! Config hot reload and the shutdown hook.
+//!
+//! The file is polled every [`POLL_INTERVAL`] (content compared, which also catches the
+//! symlink swap Kubernetes does for a mounted ConfigMap) and reloaded on SIGHUP. A valid
+//! file is applied atomically ([`GatewayState::apply`]); an invalid one leaves the old
+//! config in force, is logged with every field error and counted as
+//! `switchyard_config_reloads_total{result="error"}`.
+//!
+//! On shutdown the service marks the gateway as draining, so `/-/ready` fails while
+//! in-flight streams finish within the grace period.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+
+use crate::config::GatewayConfig;
+use crate::state::GatewayState;
+
+/// How often the config file is checked.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(200);
+
+/// The reloader service.
+pub struct Reloader {
+    state: Arc<GatewayState>,
+    path: PathBuf,
+}
+
+impl Reloader {
+    /// Watch `path` for `state`.
+    pub fn new(state: Arc<GatewayState>, path: PathBuf) -> Self {
+        Reloader { state, path }
+    }
+
+    /// Reload now if the file's content differs from `last`; returns the content seen.
+    pub fn check(&self, last: &Option<String>, force: bool) -> Option<String> {
+        let text = match std::fs::read_to_string(&self.path) {
+            Ok(t) => t,
+            Err(e) => {
+                if force {
+                    tracing::error!(path = %self.path.display(), error = %e, "config reload failed: cannot read file");
+                    self.state.metrics.config_reloads.with_label_values(&["error"]).inc();
+                }
+                return last.clone();
+            }
+        };
+        if !force && last.as_deref() == Some(text.as_str()) {
+            return Some(text);
+        }
+        match GatewayConfig::parse(&text) {
+            Ok(cfg) => {
+                self.state.apply(cfg);
+                self.state.metrics.config_reloads.with_label_values(&["ok"]).inc();
+                tracing::info!(path = %self.path.display(), "config reloaded");
+            }
+            Err(e) => {
+                self.state.metrics.config_reloads.with_label_values(&["error"]).inc();
+                tracing::error!(path = %self.path.display(), error = %e, "config reload rejected; keeping the previous config");
+            }
+        }
+        Some(text)
+    }
+}
+
+#[async_trait]
+impl BackgroundService for Reloader {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut last = std::fs::read_to_string(&self.path).ok();
+        #[cfg(unix)]
+        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+        loop {
+            #[cfg(unix)]
+            let hangup = async {
+                match hup.as_mut() {
+                    Some(s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            #[cfg(not(unix))]
+            let hangup = std::future::pending::<()>();
+            tokio::select! {
+                _ = shutdown.changed() => {
+                    self.state.draining.store(true, Ordering::SeqCst);
+                    tracing::info!("shutdown: readiness now fails; draining in-flight requests");
+                    return;
+                }
+                _ = hangup => last = self.check(&last, true),
+                _ = tokio::time::sleep(POLL_INTERVAL) => last = self.check(&last, false),
+            }
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! Background scraper: every `scrape.interval_ms`, each backend's `/metrics` → `LoadSignal`.
+//!
+//! Parsing is the pure `switchyard_shim` library (vLLM V0/V1, our engine, SGLang, TGI,
+//! llama.cpp). Each result is published by swapping the backend's [`Scraped`] cell, so
+//! requests read it without locks. The scraper is also the active health probe: a backend
+//! is down after `scrape.down_after_failures` failures in a row and up again on the next
+//! success. Model lists come from `/v1/models` (unless configured) on the first success
+//! and then every [`MODELS_REFRESH_EVERY`] scrapes. A counter going backwards means the
+//! engine restarted; it is counted on the backend (the prefix index will use it).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+
+use crate::cluster::{Backend, Scraped};
+use crate::state::GatewayState;
+
+/// Model lists are refreshed every this many scrapes.
+pub const MODELS_REFRESH_EVERY: u64 = 50;
+
+/// Largest `/metrics` or `/v1/models` body read.
+const MAX_SCRAPE_BYTES: usize = 8 * 1024 * 1024;
+
+/// The scraper service.
+pub struct Scraper {
+    state: Arc<GatewayState>,
+    client: Client<HttpConnector, Empty<Bytes>>,
+}
+
+impl Scraper {
+    /// A scraper over `state`'s backends.
+    pub fn new(state: Arc<GatewayState>) -> Self {
+        let mut http = HttpConnector::new();
+        http.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build(http);
+        Scraper { state, client }
+    }
+
+    async fn get(&self, addr: SocketAddr, path: &str) -> Result<String, String> {
+        let uri: hyper::Uri = format!("http://{addr}{path}").parse().map_err(|e| format!("{e}"))?;
+        let resp = self.client.get(uri).await.map_err(|e| format!("GET {path}: {e}"))?;
+        if !resp.status().is_success() {
+            return Err(format!("GET {path}: status {}", resp.status()));
+        }
+        let body = http_body_util::Limited::new(resp.into_body(), MAX_SCRAPE_BYTES)
+            .collect()
+            .await
+            .map_err(|e| format!("GET {path}: {e}"))?
+            .to_bytes();
+        String::from_utf8(body.to_vec()).map_err(|_| format!("GET {path}: body is not UTF-8"))
+    }
+
+    async fn models(&self, addr: SocketAddr) -> Result<Vec<String>, String> {
+        let text = self.get(addr, "/v1/models").await?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("/v1/models: {e}"))?;
+        let ids = v["data"]
+            .as_array()
+            .ok_or("/v1/models: no data array")?
+            .iter()
+            .filter_map(|m| m["id"].as_str().map(str::to_string))
+            .collect();
+        Ok(ids)
+    }
+
+    async fn scrape(&self, b: &Backend, timeout: Duration, round: u64) {
+        let prev = b.scraped.load_full();
+        let result = match b.addr {
+            None => Err(format!("{} does not resolve", b.authority)),
+            Some(addr) => match tokio::time::timeout(timeout, async {
+                let text = self.get(addr, "/metrics").await?;
+                let unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+                let signal =
+                    switchyard_shim::parse_load_signal(&text, unix_ms).map_err(|e| format!("/metrics: {e}"))?;
+                let refresh =
+                    b.configured_models.is_none() && (prev.models.is_empty() || round.is_multiple_of(MODELS_REFRESH_EVERY));
+                let models = if refresh { Some(self.models(addr).await?) } else { None };
+                Ok::<_, String>((signal, models))
+            })
+            .await
+            {
+                Ok(r) => r,
+                Err(_) => Err(format!("scrape timed out after {} ms", timeout.as_millis())),
+            },
+        };
+        let next = match result {
+            Ok((signal, models)) => {
+                let went_back = prev.signal.as_ref().is_some_and(|(old, _)| {
+                    matches!((old.generation_tokens_total, signal.generation_tokens_total), (Some(o), Some(n)) if n < o)
+                });
+                if went_back {
+                    b.restarts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                Scraped {
+                    signal: Some((signal, Instant::now())),
+                    models: models.unwrap_or_else(|| prev.models.clone()),
+                    consecutive_failures: 0,
+                    last_error: None,
+                    probed: true,
+                }
+            }
+            Err(e) => Scraped {
+                signal: prev.signal,
+                models: prev.models.clone(),
+                consecutive_failures: prev.consecutive_failures.saturating_add(1),
+                last_error: Some(e),
+                probed: true,
+            },
+        };
+        b.scraped.store(Arc::new(next));
+    }
+
+    /// Scrape every backend once, concurrently.
+    pub async fn scrape_all(&self, round: u64) {
+        let active = self.state.active.load_full();
+        let timeout = active.config.scrape.timeout();
+        futures_util::future::join_all(active.cluster.backends.iter().map(|b| self.scrape(b, timeout, round))).await;
+    }
+}
+
+#[async_trait]
+impl BackgroundService for Scraper {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut round = 0u64;
+        loop {
+            let started = Instant::now();
+            self.scrape_all(round).await;
+            round += 1;
+            let interval = self.state.active.load().config.scrape.interval();
+            let wait = interval.saturating_sub(started.elapsed());
+            tokio::select! {
+                _ = shutdown.changed() => return,
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! A raw HTTP/1.1 client for tests: one connection per request, chunk-by-chunk reads,
+//! explicit disconnects, SSE parsing, and `/metrics` parsed by a real Prometheus parser.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+
+/// A response whose body is read chunk by chunk; dropping it closes the connection.
+pub struct Resp {
+    /// Status code.
+    pub status: u16,
+    /// Response headers.
+    pub headers: hyper::HeaderMap,
+    body: Incoming,
+    conn: tokio::task::JoinHandle<()>,
+    buf: String,
+}
+
+/// Send one request on a new connection and wait for the response header.
+pub async fn send(addr: SocketAddr, method: &str, path: &str, body: impl Into<Bytes>) -> Resp {
+    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream.set_nodelay(true).unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.expect("handshake");
+    let conn = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .body(Full::new(body.into()))
+        .unwrap();
+    let resp = sender.send_request(req).await.expect("response");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    Resp { status, headers, body: resp.into_body(), conn, buf: String::new() }
+}
+
+/// POST a JSON body.
+pub async fn post(addr: SocketAddr, path: &str, body: &serde_json::Value) -> Resp {
+    send(addr, "POST", path, body.to_string()).await
+}
+
+impl Resp {
+    /// The whole body as text.
+    pub async fn text(self) -> String {
+        let bytes = self.body.collect().await.expect("body").to_bytes();
+        String::from_utf8(bytes.to_vec()).expect("utf-8 body")
+    }
+
+    /// The whole body as JSON.
+    pub async fn json(self) -> serde_json::Value {
+        let t = self.text().await;
+        serde_json::from_str(&t).unwrap_or_else(|e| panic!("not JSON ({e}): {t}"))
+    }
+
+    /// The next SSE `data:` payload, or `None` at the end of the body.
+    pub async fn next_event(&mut self) -> Option<String> {
+        loop {
+            if let Some(end) = self.buf.find("\n\n") {
+                let event: String = self.buf.drain(..end + 2).collect();
+                let data = event.trim_end().strip_prefix("data: ").unwrap_or_else(|| panic!("not SSE: {event:?}"));
+                return Some(data.to_string());
+            }
+            match self.body.frame().await {
+                Some(Ok(f)) => {
+                    if let Ok(d) = f.into_data() {
+                        self.buf.push_str(std::str::from_utf8(&d).expect("utf-8"));
+                    }
+                }
+                Some(Err(e)) => panic!("body error: {e}"),
+                None => return None,
+            }
+        }
+    }
+
+    /// Every remaining event with its arrival time.
+    pub async fn events(mut self) -> Vec<(Instant, String)> {
+        let mut out = Vec::new();
+        while let Some(e) = self.next_event().await {
+            out.push((Instant::now(), e));
+        }
+        out
+    }
+
+    /// Close the connection now (the client goes away).
+    pub fn disconnect(self) {
+        self.conn.abort();
+        drop(self.body);
+    }
+}
+
+/// One parsed series.
+#[derive(Debug, Clone)]
+pub struct Series {
+    /// Metric name (`_total` kept, histogram suffixes folded).
+    pub name: String,
+    /// Labels.
+    pub labels: std::collections::HashMap<String, String>,
+    /// Value.
+    pub value: SeriesValue,
+}
+
+/// A series' value.
+#[derive(Debug, Clone)]
+pub enum SeriesValue {
+    /// Counter or gauge.
+    Scalar(f64),
+    /// `(upper bound, cumulative count)` per bucket, and the total count.
+    Histogram {
+        /// Buckets.
+        buckets: Vec<(f64, f64)>,
+        /// Observations.
+        count: f64,
+    },
+}
+
+/// All series of one scrape.
+pub type Scrape = Vec<Series>;
+
+/// Scrape `/metrics` and parse it with a real Prometheus text-format parser.
+pub async fn scrape(addr: SocketAddr) -> Scrape {
+    let text = send(addr, "GET", "/metrics", Bytes::new()).await.text().await;
+    parse_metrics(&text)
+}
+
+/// Parse Prometheus text; panics with the text when it is invalid.
+pub fn parse_metrics(text: &str) -> Scrape {
+    use openmetrics_parser::PrometheusValue as V;
+    let exposition = openmetrics_parser::prometheus::parse_prometheus(text)
+        .unwrap_or_else(|e| panic!("invalid Prometheus text ({e:?}):\n{text}"));
+    let mut out = Vec::new();
+    for (name, family) in &exposition.families {
+        for sample in family.iter_samples() {
+            let labels = sample.get_labelset().expect("labels").iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            let value = match &sample.value {
+                V::Counter(c) => SeriesValue::Scalar(c.value.as_f64()),
+                V::Gauge(g) | V::Unknown(g) => SeriesValue::Scalar(g.as_f64()),
+                V::Histogram(h) => SeriesValue::Histogram {
+                    buckets: h.buckets.iter().map(|b| (b.upper_bound, b.count.as_f64())).collect(),
+                    count: h.count.map_or(0.0, |c| c as f64),
+                },
+                V::Summary(_) => continue,
+            };
+            out.push(Series { name: name.clone(), labels, value });
+        }
+    }
+    out
+}
+
+/// The value of a gauge or counter (summed over its label sets).
+pub fn metric(s: &Scrape, name: &str) -> f64 {
+    let mut found = false;
+    let mut sum = 0.0;
+    for x in s.iter().filter(|x| x.name == name) {
+        found = true;
+        match x.value {
+            SeriesValue::Scalar(v) => sum += v,
+            _ => panic!("{name} is not a scalar"),
+        }
+    }
+    assert!(found, "no metric {name}");
+    sum
+}
+
+/// Poll until `cond` holds on a scrape, or panic after `within`.
+pub async fn wait_for_metrics(
+    addr: SocketAddr,
+    within: Duration,
+    what: &str,
+    cond: impl Fn(&Scrape) -> bool,
+) -> Duration {
+    let start = Instant::now();
+    loop {
+        let s = scrape(addr).await;
+        if cond(&s) {
+            return start.elapsed();
+        }
+        assert!(start.elapsed() < within, "{what}: not reached within {within:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A text of exactly `n` sim tokens (each " k123" is one token).
+pub fn prompt_of(n: usize, salt: &str) -> String {
+    assert_eq!(salt.len(), 1, "one letter + 3 digits = one token");
+    (0..n).map(|i| format!(" {}{:03}", salt, i % 1000)).collect()
+}

@@ -1,0 +1,170 @@
+//! Spawn the workspace's binaries as real processes on loopback.
+//!
+//! Binaries are taken from the target directory the test runs from (the test command
+//! builds the whole workspace first); a missing binary is a loud failure naming the build
+//! command, never a skip.
+
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// Path of a workspace binary next to the running test executable.
+pub fn workspace_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> → target/<profile>/<name>
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the workspace first (`cargo build --workspace`; scripts/test.sh does it)",
+        path.display()
+    );
+    path
+}
+
+/// A port that was free a moment ago (bind `127.0.0.1:0`, read it, release it).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().unwrap().port()
+}
+
+/// A fresh scratch directory for one test.
+pub fn scratch_dir(tag: &str) -> PathBuf {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "switchyard-{tag}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+/// A `switchyard-engine` process.
+pub struct EngineProc {
+    child: Child,
+    /// Where it listens.
+    pub addr: SocketAddr,
+}
+
+impl EngineProc {
+    /// Start with `args` (plus `--host 127.0.0.1 --port 0`); waits for its listening line.
+    pub fn start(args: &[&str]) -> EngineProc {
+        let mut child = Command::new(workspace_bin("switchyard-engine"))
+            .args(["--host", "127.0.0.1", "--port", "0"])
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn switchyard-engine");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(line)) = lines.next() {
+                let _ = tx.send(line);
+            }
+            for _ in lines {} // keep draining so the engine never blocks on stdout
+        });
+        let line = rx.recv_timeout(Duration::from_secs(20)).expect("engine did not start within 20 s");
+        let addr = line.trim().strip_prefix("listening on http://").expect("listening line").parse().unwrap();
+        EngineProc { child, addr }
+    }
+
+    /// `http://addr`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// SIGKILL, like a crashed pod.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for EngineProc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A `switchyard-gateway` process with its config file.
+pub struct GatewayProc {
+    child: Child,
+    /// API listener.
+    pub addr: SocketAddr,
+    /// Admin listener.
+    pub admin: SocketAddr,
+    /// The config file it watches.
+    pub config_path: PathBuf,
+    /// Its log file.
+    pub log_path: PathBuf,
+}
+
+impl GatewayProc {
+    /// Write the YAML built by `config(listen, admin_listen)` and start the gateway on it;
+    /// waits until `/-/healthz` answers.
+    pub fn start(config: impl Fn(SocketAddr, SocketAddr) -> String) -> GatewayProc {
+        let dir = scratch_dir("gateway");
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let config_path = dir.join("gateway.yaml");
+        std::fs::write(&config_path, config(addr, admin)).unwrap();
+        let log_path = dir.join("gateway.log");
+        let log = std::fs::File::create(&log_path).unwrap();
+        let child = Command::new(workspace_bin("switchyard-gateway"))
+            .arg("--config")
+            .arg(&config_path)
+            .env("RUST_LOG", "info")
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("spawn switchyard-gateway");
+        let g = GatewayProc { child, addr, admin, config_path, log_path };
+        let start = Instant::now();
+        while std::net::TcpStream::connect(g.addr).is_err() || std::net::TcpStream::connect(g.admin).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(20), "gateway did not listen within 20 s: {}", g.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        g
+    }
+
+    /// Its log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// Replace the config file (atomically, by rename, as a ConfigMap update does).
+    pub fn rewrite_config(&self, yaml: &str) {
+        let tmp = self.config_path.with_extension("tmp");
+        std::fs::write(&tmp, yaml).unwrap();
+        std::fs::rename(&tmp, &self.config_path).unwrap();
+    }
+
+    /// Process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for GatewayProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A static-discovery gateway config for `backends` with `policy` (YAML flow map).
+pub fn gateway_yaml(listen: SocketAddr, admin: SocketAddr, backends: &[String], policy: &str) -> String {
+    let mut y = format!("listen: {listen}\nadmin_listen: {admin}\nthreads: 2\ndiscovery:\n  static:\n");
+    for b in backends {
+        y.push_str(&format!("    - url: {b}\n"));
+    }
+    y.push_str(&format!("policy: {policy}\nscrape: {{ interval_ms: 50, timeout_ms: 500, stale_after_ms: 1000 }}\n"));
+    y
+}
