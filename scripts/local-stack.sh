@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The main job: a local Switchyard stack on localhost. Today: two simulated H100 engines
-# (Llama-3-8B timing) on :8101 and :8102. Ctrl-C stops everything.
+# The main job: a local Switchyard stack on localhost: two simulated H100 engines
+# (Llama-3-8B timing) on :8101 and :8102 behind the gateway on :8080 (admin :9090),
+# configured by config/gateway.example.yaml. Ctrl-C stops everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-cargo build --release --locked -p switchyard-engine
+cargo build --release --locked -p switchyard-engine -p switchyard-gateway
 
 PROFILE=${SIM_PROFILE:-h100-llama3-8b}
 PORTS=(8101 8102)
@@ -26,14 +27,23 @@ for port in "${PORTS[@]}"; do
   curl -fsS "http://127.0.0.1:$port/health" >/dev/null || { echo "engine on :$port did not start; see .cache/logs/engine-$port.log" >&2; exit 1; }
 done
 
-model=$(curl -fsS http://127.0.0.1:8101/v1/models | sed -E 's/.*"id":"([^"]+)".*/\1/')
+./target/release/switchyard-gateway --config config/gateway.example.yaml >.cache/logs/gateway.log 2>&1 &
+pids+=($!)
+for _ in $(seq 1 100); do
+  curl -fsS http://127.0.0.1:8080/-/ready >/dev/null 2>&1 && break
+  sleep 0.1
+done
+curl -fsS http://127.0.0.1:8080/-/ready >/dev/null || { echo "gateway did not become ready; see .cache/logs/gateway.log" >&2; exit 1; }
+
+model=$(curl -fsS http://127.0.0.1:8080/v1/models | sed -E 's/.*"id":"([^"]+)".*/\1/')
 cat <<MSG
 
-Switchyard local stack is up: ${#PORTS[@]} sim engines ($PROFILE) on ${PORTS[*]}.
-Logs: .cache/logs/. Metrics: curl http://127.0.0.1:8101/metrics
+Switchyard local stack is up: gateway on :8080 → ${#PORTS[@]} sim engines ($PROFILE) on ${PORTS[*]}.
+Logs: .cache/logs/. Gateway metrics: curl http://127.0.0.1:9090/metrics
+Backends as the gateway sees them: curl http://127.0.0.1:9090/admin/backends
 
 Try:
-  curl -N http://127.0.0.1:8101/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl -N http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"model": "$model", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32, "stream": true}'
 
 Ctrl-C to stop.

@@ -7,6 +7,7 @@ need_apt=()
 command -v cc >/dev/null || need_apt+=(build-essential)
 command -v taskset >/dev/null || need_apt+=(util-linux)
 command -v curl >/dev/null || need_apt+=(curl)
+command -v cmake >/dev/null || need_apt+=(cmake)   # pingora's zlib-ng backend
 if ((${#need_apt[@]})); then
   echo "setup: installing ${need_apt[*]} (apt)"
   if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"; \

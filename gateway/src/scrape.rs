@@ -79,8 +79,8 @@ impl Scraper {
                 let unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
                 let signal =
                     switchyard_shim::parse_load_signal(&text, unix_ms).map_err(|e| format!("/metrics: {e}"))?;
-                let refresh =
-                    b.configured_models.is_none() && (prev.models.is_empty() || round.is_multiple_of(MODELS_REFRESH_EVERY));
+                let refresh = b.configured_models.is_none()
+                    && (prev.models.is_empty() || round.is_multiple_of(MODELS_REFRESH_EVERY));
                 let models = if refresh { Some(self.models(addr).await?) } else { None };
                 Ok::<_, String>((signal, models))
             })
