@@ -9,6 +9,7 @@
 //! → [`cluster`] (backends, health) → [`policy`] (pure routing decisions) → [`proxy`] (the
 //! request path) ; background services [`scrape`] and [`reload`]; [`admin`] and [`metrics`].
 
+pub mod access_log;
 pub mod admin;
 pub mod cluster;
 pub mod config;

@@ -41,9 +41,14 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    // Log lines (one per request) are written by a background thread, never on the request
+    // path; the guard flushes what is left at exit.
+    let (writer, _flush_guard) = tracing_appender::non_blocking(std::io::stdout());
     match args.log_format {
-        LogFormat::Json => tracing_subscriber::fmt().json().flatten_event(true).with_env_filter(filter).init(),
-        LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
+        LogFormat::Json => {
+            tracing_subscriber::fmt().json().flatten_event(true).with_env_filter(filter).with_writer(writer).init()
+        }
+        LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer).init(),
     }
     match switchyard_gateway::run(config, args.config) {
         Ok(()) => ExitCode::SUCCESS,

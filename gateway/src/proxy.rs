@@ -18,7 +18,7 @@
 //!    `data: {"error": …}` event instead of a silent truncation;
 //! 7. release the upstream connection to the pool only after a clean end.
 //!
-//! Every request leaves one JSON access-log line (target `switchyard::access`).
+//! Every request leaves one JSON access-log line ([`crate::access_log`]).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -33,6 +33,7 @@ use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
 use pingora::upstreams::peer::HttpPeer;
 
+use crate::access_log::{now_ms, AccessLine};
 use crate::cluster::{Backend, BackendState};
 use crate::config::GatewayConfig;
 use crate::error::ProxyError;
@@ -443,23 +444,23 @@ impl ProxyApp {
             m.requests.with_label_values(&[log.backend.as_deref().unwrap_or("none"), code.as_str()]).inc();
             m.duration.observe(elapsed.as_secs_f64());
         }
-        tracing::info!(
-            target: "switchyard::access",
+        self.state.access_log.log(&AccessLine {
+            ts_ms: now_ms(),
             method,
             path,
-            status = log.status,
-            model = log.model.as_deref(),
-            backend = log.backend.as_deref(),
-            reason = log.reason,
-            stream = log.stream,
-            ttft_ms = log.ttft.map(|t| t.as_secs_f64() * 1e3),
-            duration_ms = elapsed.as_secs_f64() * 1e3,
-            request_bytes = log.request_bytes,
-            response_bytes = log.response_bytes,
-            chunks = log.chunks,
-            retries = log.retries,
-            error = log.error_kind,
-        );
+            status: log.status,
+            model: log.model.as_deref(),
+            backend: log.backend.as_deref(),
+            reason: log.reason,
+            stream: log.stream,
+            ttft_ms: log.ttft.map(|t| t.as_secs_f64() * 1e3),
+            duration_ms: elapsed.as_secs_f64() * 1e3,
+            request_bytes: log.request_bytes,
+            response_bytes: log.response_bytes,
+            chunks: log.chunks,
+            retries: log.retries,
+            error: log.error_kind,
+        });
     }
 }
 

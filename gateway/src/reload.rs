@@ -6,7 +6,8 @@
 //! config in force, is logged with every field error and counted as
 //! `switchyard_config_reloads_total{result="error"}`.
 //!
-//! On shutdown the service marks the gateway as draining, so `/-/ready` fails while
+//! It also writes out the buffered access log every second. On shutdown the service marks
+//! the gateway as draining, so `/-/ready` fails while
 //! in-flight streams finish within the grace period.
 
 use std::path::PathBuf;
@@ -23,6 +24,8 @@ use crate::state::GatewayState;
 
 /// How often the config file is checked.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(200);
+/// How often the buffered access log is written out.
+pub const ACCESS_LOG_FLUSH: Duration = Duration::from_secs(1);
 
 /// The reloader service.
 pub struct Reloader {
@@ -70,6 +73,7 @@ impl Reloader {
 impl BackgroundService for Reloader {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let mut last = std::fs::read_to_string(&self.path).ok();
+        let mut flush_due = std::time::Instant::now();
         #[cfg(unix)]
         let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
         loop {
@@ -87,11 +91,18 @@ impl BackgroundService for Reloader {
             tokio::select! {
                 _ = shutdown.changed() => {
                     self.state.draining.store(true, Ordering::SeqCst);
+                    self.state.access_log.flush();
                     tracing::info!("shutdown: readiness now fails; draining in-flight requests");
                     return;
                 }
                 _ = hangup => last = self.check(&last, true),
-                _ = tokio::time::sleep(POLL_INTERVAL) => last = self.check(&last, false),
+                _ = tokio::time::sleep(POLL_INTERVAL) => {
+                    last = self.check(&last, false);
+                    if flush_due.elapsed() >= ACCESS_LOG_FLUSH {
+                        self.state.access_log.flush();
+                        flush_due = std::time::Instant::now();
+                    }
+                }
             }
         }
     }

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use pingora::connectors::http::Connector;
 
+use crate::access_log::AccessLog;
 use crate::cluster::{BackendSpec, ClusterView};
 use crate::config::{parse_backend_url, GatewayConfig};
 use crate::metrics::GatewayMetrics;
@@ -38,6 +39,8 @@ pub struct GatewayState {
     pub metrics: GatewayMetrics,
     /// Set on shutdown: readiness fails so load balancers stop sending.
     pub draining: AtomicBool,
+    /// Access log (JSON lines on stdout, buffered).
+    pub access_log: AccessLog,
 }
 
 /// Resolve the static backends of `cfg` (DNS happens here, once per apply, never per request).
@@ -66,6 +69,7 @@ impl GatewayState {
             connector: Connector::new(None),
             metrics,
             draining: AtomicBool::new(false),
+            access_log: AccessLog::stdout(),
         })
     }
 

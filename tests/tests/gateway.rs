@@ -416,7 +416,12 @@ async fn health_readiness_models_and_metrics_endpoints() {
     ] {
         assert!(m.iter().any(|s| s.name == name), "missing {name}");
     }
-    assert!(g.log().contains("\"target\":\"switchyard::access\""), "access log line: {}", g.log());
+    // The access log is buffered and written out every second.
+    let start = Instant::now();
+    while !g.log().lines().any(|l| l.contains("\"path\":\"/v1/chat/completions\"") && l.contains("\"ttft_ms\"")) {
+        assert!(start.elapsed() < Duration::from_secs(3), "no access log line: {}", g.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     drop(engine);
     // With the only engine gone, readiness fails once the scraper notices.
     let start = Instant::now();
