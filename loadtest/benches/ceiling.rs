@@ -154,4 +154,5 @@ fn main() {
         );
     });
     let _ = engine.kill();
+    let _ = engine.wait();
 }
