@@ -392,20 +392,25 @@ impl ProxyApp {
                     return false;
                 }
             };
-            match next {
-                Ok(Some(chunk)) => {
-                    if log.ttft.is_none() {
-                        let t = started.elapsed();
-                        log.ttft = Some(t);
-                        self.state.metrics.ttft.with_label_values(&[backend.url.as_str()]).observe(t.as_secs_f64());
-                    }
-                    log.chunks += 1;
-                    log.response_bytes += chunk.len();
-                    if s.write_response_body(chunk, false).await.is_err() {
-                        log.error_kind = Some("client_gone");
-                        return false;
-                    }
+            // Chunks the engine sent together leave in one downstream write.
+            let (data, next) = match next {
+                Ok(Some(chunk)) => coalesce(&mut up, chunk, &mut log.chunks),
+                other => (Bytes::new(), other),
+            };
+            if !data.is_empty() {
+                if log.ttft.is_none() {
+                    let t = started.elapsed();
+                    log.ttft = Some(t);
+                    self.state.metrics.ttft.with_label_values(&[backend.url.as_str()]).observe(t.as_secs_f64());
                 }
+                log.response_bytes += data.len();
+                if s.write_response_body(data, false).await.is_err() {
+                    log.error_kind = Some("client_gone");
+                    return false;
+                }
+            }
+            match next {
+                Ok(Some(_)) => {}
                 Ok(None) => {
                     if s.write_response_body(Bytes::new(), true).await.is_err() {
                         return false;
@@ -462,6 +467,33 @@ impl ProxyApp {
             error: log.error_kind,
         });
     }
+}
+
+/// Largest coalesced write.
+const COALESCE_BYTES: usize = 64 * 1024;
+
+/// Join `first` with every body chunk the upstream has already delivered (polled without
+/// waiting). Returns the bytes to write and what follows them: `Ok(Some(_))` keep reading,
+/// `Ok(None)` the body ended, `Err` the upstream failed.
+fn coalesce(up: &mut HttpSession, first: Bytes, chunks: &mut usize) -> (Bytes, pingora::Result<Option<Bytes>>) {
+    use futures_util::FutureExt;
+    *chunks += 1;
+    let mut acc: Option<BytesMut> = None;
+    let mut next = Ok(Some(Bytes::new()));
+    while acc.as_ref().map_or(first.len(), BytesMut::len) < COALESCE_BYTES {
+        match up.read_response_body().now_or_never() {
+            Some(Ok(Some(more))) => {
+                *chunks += 1;
+                acc.get_or_insert_with(|| BytesMut::from(&first[..])).extend_from_slice(&more);
+            }
+            Some(done_or_err) => {
+                next = done_or_err;
+                break;
+            }
+            None => break,
+        }
+    }
+    (acc.map_or(first, BytesMut::freeze), next)
 }
 
 /// Read the request body within the size cap and deadline.

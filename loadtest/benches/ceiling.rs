@@ -95,20 +95,7 @@ fn main() {
         let mut ours = Vec::with_capacity(n);
         for i in 0..(n + 50) {
             let call = Call { target: &target, endpoint: Endpoint::Completions, body: bytes::Bytes::from(BODY), stream: true };
-            let record = RequestRecord {
-                target: "e".into(),
-                id: i as u64,
-                point: 0,
-                start_ms: 0.0,
-                ttft_ms: None,
-                itl_ms: Vec::new(),
-                e2e_ms: 0.0,
-                prompt_tokens: 0,
-                output_tokens: 0,
-                status: None,
-                error: None,
-                warmup: false,
-            };
+            let record = RequestRecord::started("e", i as u64, 0, 0.0, false);
             let r = client.call(call, record).await.record;
             assert!(r.error.is_none(), "{:?}", r.error);
             if i >= 50 {

@@ -33,6 +33,24 @@ pub struct RequestRecord {
 }
 
 impl RequestRecord {
+    /// A record for a request about to be sent; the client fills in the rest.
+    pub fn started(target: &str, id: u64, point: usize, start_ms: f64, warmup: bool) -> Self {
+        RequestRecord {
+            target: target.to_string(),
+            id,
+            point,
+            start_ms,
+            ttft_ms: None,
+            itl_ms: Vec::new(),
+            e2e_ms: 0.0,
+            prompt_tokens: 0,
+            output_tokens: 0,
+            status: None,
+            error: None,
+            warmup,
+        }
+    }
+
     /// Time per output token after the first: (e2e − ttft) / (output − 1), ms.
     pub fn tpot_ms(&self) -> Option<f64> {
         let ttft = self.ttft_ms?;

@@ -149,20 +149,8 @@ impl Shared {
     }
 
     async fn send(&self, id: u64, spec: &RequestSpec) -> String {
-        let record = RequestRecord {
-            target: self.target.name.clone(),
-            id,
-            point: self.point,
-            start_ms: self.started.elapsed().as_secs_f64() * 1e3,
-            ttft_ms: None,
-            itl_ms: Vec::new(),
-            e2e_ms: 0.0,
-            prompt_tokens: 0,
-            output_tokens: 0,
-            status: None,
-            error: None,
-            warmup: id < self.plan.warmup,
-        };
+        let start_ms = self.started.elapsed().as_secs_f64() * 1e3;
+        let record = RequestRecord::started(&self.target.name, id, self.point, start_ms, id < self.plan.warmup);
         let call = Call {
             target: &self.target,
             endpoint: self.plan.endpoint,

@@ -42,6 +42,16 @@ async fn wait_scraped(g: &GatewayProc, n: usize) {
     }
 }
 
+/// `n` short completions through the gateway, one after another; each must succeed.
+async fn send_short_requests(g: &GatewayProc, n: u64) {
+    for i in 0..n {
+        let r =
+            post(g.addr, "/v1/completions", &json!({"model": MODEL, "prompt": "hi", "max_tokens": 3, "seed": i})).await;
+        assert_eq!(r.status, 200);
+        r.text().await;
+    }
+}
+
 fn routed(b: &serde_json::Value, url: &str) -> u64 {
     b["backends"].as_array().unwrap().iter().find(|x| x["url"] == url).unwrap()["routed"].as_u64().unwrap()
 }
@@ -117,12 +127,7 @@ async fn least_load_avoids_a_saturated_engine_and_round_robin_does_not() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let before = backends(&g).await;
-    for i in 0..30 {
-        let r =
-            post(g.addr, "/v1/completions", &json!({"model": MODEL, "prompt": "hi", "max_tokens": 3, "seed": i})).await;
-        assert_eq!(r.status, 200);
-        r.text().await;
-    }
+    send_short_requests(&g, 30).await;
     let after = backends(&g).await;
     let to_a = routed(&after, &a) - routed(&before, &a);
     let to_bc = routed(&after, &b) + routed(&after, &c) - routed(&before, &b) - routed(&before, &c);
@@ -138,12 +143,7 @@ async fn least_load_avoids_a_saturated_engine_and_round_robin_does_not() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let before = backends(&g).await;
-    for i in 0..30 {
-        let r =
-            post(g.addr, "/v1/completions", &json!({"model": MODEL, "prompt": "hi", "max_tokens": 3, "seed": i})).await;
-        assert_eq!(r.status, 200);
-        r.text().await;
-    }
+    send_short_requests(&g, 30).await;
     let after = backends(&g).await;
     for url in [&a, &b, &c] {
         assert_eq!(routed(&after, url) - routed(&before, url), 10, "round_robin spread for {url}");

@@ -168,3 +168,43 @@ fn cluster_runs_a_sweep_through_the_gateway_and_tears_everything_down() {
         assert!(std::net::TcpStream::connect(addr).is_err(), "{addr} still listening");
     }
 }
+
+#[test]
+fn failures_are_counted_by_kind_and_never_crash_the_run() {
+    let engine = EngineProc::start(&["--sim-profile", "instant"]);
+    let dead = format!("dead=http://127.0.0.1:{}", free_port());
+    let wrong_model = format!("wrong={}", engine.url());
+    let out = scratch_dir("loadtest-errors");
+    let out_s = out.to_string_lossy().to_string();
+    loadtest(&[
+        "run",
+        "--target",
+        &dead,
+        "--target",
+        &wrong_model,
+        "--model",
+        "no-such-model",
+        "--endpoint",
+        "completions",
+        "--concurrency",
+        "2",
+        "--requests",
+        "6",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--out",
+        &out_s,
+    ]);
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let by_target =
+        |name: &str| summary["targets"].as_array().unwrap().iter().find(|t| t["target"] == name).unwrap().clone();
+    let dead = by_target("dead");
+    assert_eq!((dead["completed"].as_u64(), dead["failed"].as_u64()), (Some(0), Some(6)), "{dead}");
+    assert_eq!(dead["errors"]["connect"], 6, "{dead}");
+    let wrong = by_target("wrong");
+    assert_eq!(wrong["errors"]["http_4xx"], 6, "{wrong}");
+    assert!(std::fs::read_to_string(out.join("report.md")).unwrap().contains("http_4xx"));
+}
