@@ -8,18 +8,18 @@ fn config_dir() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../config")
 }
 
+/// `switchyard-gateway --config PATH --validate`.
+fn validate(path: &std::path::Path) -> std::process::Output {
+    Command::new(workspace_bin("switchyard-gateway")).arg("--config").arg(path).arg("--validate").output().unwrap()
+}
+
 #[test]
 fn every_config_file_validates() {
     let mut checked = 0;
     for entry in std::fs::read_dir(config_dir()).expect("config/ exists") {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "yaml" || e == "yml") && path.to_string_lossy().contains("gateway") {
-            let out = Command::new(workspace_bin("switchyard-gateway"))
-                .arg("--config")
-                .arg(&path)
-                .arg("--validate")
-                .output()
-                .unwrap();
+            let out = validate(&path);
             assert!(out.status.success(), "{}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
             checked += 1;
         }
@@ -36,12 +36,7 @@ fn validate_prints_every_field_error_and_fails() {
         "listen: nowhere\ndiscovery:\n  static:\n    - url: ftp://a:1\nretries: { max_attempts: 0 }\n",
     )
     .unwrap();
-    let out = Command::new(workspace_bin("switchyard-gateway"))
-        .arg("--config")
-        .arg(&path)
-        .arg("--validate")
-        .output()
-        .unwrap();
+    let out = validate(&path);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     for needle in ["listen: must be IP:PORT", "discovery.static[0].url", "retries.max_attempts"] {
