@@ -430,3 +430,43 @@ async fn health_readiness_models_and_metrics_endpoints() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_cleartext_clients_stream_through_the_gateway() {
+    use http_body_util::{BodyExt, Full};
+    let engine = EngineProc::start(&["--sim-profile", "h100-llama3-8b"]);
+    let g = start_gateway(&[&engine], "{ type: least_load }").await;
+    let tcp = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .expect("h2c handshake");
+    tokio::spawn(conn);
+    // Two concurrent streams on one connection.
+    let mut streams = Vec::new();
+    for seed in 0..2 {
+        let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
+                          "ignore_eos": true, "stream": true, "seed": seed});
+        let req = hyper::Request::post(format!("http://{}/v1/chat/completions", g.addr))
+            .header("content-type", "application/json")
+            .body(Full::new(bytes::Bytes::from(body.to_string())))
+            .unwrap();
+        streams.push(sender.send_request(req));
+    }
+    for s in streams {
+        let resp = s.await.expect("h2 response");
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.version(), hyper::Version::HTTP_2);
+        let mut body = resp.into_body();
+        let (mut frames, mut text) = (0, String::new());
+        while let Some(f) = body.frame().await {
+            if let Ok(d) = f.unwrap().into_data() {
+                frames += 1;
+                text.push_str(std::str::from_utf8(&d).unwrap());
+            }
+        }
+        assert!(frames > 5, "streamed in pieces, got {frames} frames");
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+        assert_eq!(text.matches("\"content\":\" ").count(), 10);
+    }
+}
