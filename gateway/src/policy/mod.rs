@@ -20,6 +20,7 @@
 //! | `least_load` | the lowest weighted load (see [`LoadWeights`]) |
 
 mod least_load;
+pub mod prefix_index;
 mod round_robin;
 
 use std::sync::atomic::AtomicUsize;
