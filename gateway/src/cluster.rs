@@ -38,8 +38,6 @@ pub struct Scraped {
     pub consecutive_failures: u32,
     /// Last scrape error.
     pub last_error: Option<String>,
-    /// Whether any scrape has been attempted.
-    pub probed: bool,
 }
 
 /// Passive health state.

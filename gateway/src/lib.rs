@@ -23,7 +23,6 @@ pub mod scrape;
 pub mod state;
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use pingora::server::configuration::ServerConf;
 use pingora::server::{RunArgs, Server};
@@ -64,6 +63,3 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     server.run(RunArgs::default());
     Ok(())
 }
-
-/// The shared state type, re-exported for tests.
-pub type SharedState = Arc<state::GatewayState>;

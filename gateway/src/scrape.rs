@@ -103,7 +103,6 @@ impl Scraper {
                     models: models.unwrap_or_else(|| prev.models.clone()),
                     consecutive_failures: 0,
                     last_error: None,
-                    probed: true,
                 }
             }
             Err(e) => Scraped {
@@ -111,7 +110,6 @@ impl Scraper {
                 models: prev.models.clone(),
                 consecutive_failures: prev.consecutive_failures.saturating_add(1),
                 last_error: Some(e),
-                probed: true,
             },
         };
         b.scraped.store(Arc::new(next));
