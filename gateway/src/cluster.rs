@@ -66,6 +66,14 @@ pub struct BackendSpec {
     pub models: Option<Vec<String>>,
 }
 
+/// Requests with less prefill work than this teach nothing about the prefill rate.
+pub const MIN_SAMPLE_TOKENS: u64 = 256;
+
+/// The stable key of a backend URL.
+pub fn backend_key(url: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(url.as_bytes())
+}
+
 /// One engine endpoint.
 #[derive(Debug)]
 pub struct Backend {
@@ -87,6 +95,12 @@ pub struct Backend {
     pub health: Mutex<Health>,
     /// Times the scraper saw this backend's counters go backwards (a restart).
     pub restarts: AtomicU32,
+    /// Stable identity across reloads: a hash of the URL (prefix index and session hashing).
+    pub key: u64,
+    /// Estimated prompt tokens dispatched here that have not produced a first byte yet.
+    pub pending_prefill_tokens: AtomicU64,
+    /// Learned prefill rate in tokens/s as `f64` bits (0.0: not learned yet).
+    prefill_rate_bits: AtomicU64,
 }
 
 impl Backend {
@@ -104,7 +118,29 @@ impl Backend {
             routed: AtomicU64::new(0),
             health: Mutex::new(Health::default()),
             restarts: AtomicU32::new(0),
+            key: backend_key(spec.url.trim_end_matches('/')),
+            pending_prefill_tokens: AtomicU64::new(0),
+            prefill_rate_bits: AtomicU64::new(0),
         }
+    }
+
+    /// Learned prefill rate in tokens/s (0.0 until a sample was taken).
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        f64::from_bits(self.prefill_rate_bits.load(Ordering::Relaxed))
+    }
+
+    /// Learn from one request: `tokens` of prefill work (its queue ahead plus its uncached
+    /// prompt, as estimated at dispatch) took `ttft_s` to the first byte. EWMA with weight
+    /// 0.2; samples under `MIN_SAMPLE_TOKENS` are skipped (fixed overheads dominate them).
+    pub fn observe_prefill(&self, tokens: u64, ttft_s: f64) {
+        if tokens < MIN_SAMPLE_TOKENS || ttft_s.is_nan() || ttft_s <= 0.0 {
+            return;
+        }
+        let sample = tokens as f64 / ttft_s;
+        let old = self.prefill_tokens_per_s();
+        let new = if old > 0.0 { old + 0.2 * (sample - old) } else { sample };
+        // Racing updates may lose a sample; the estimate stays an average of real ones.
+        self.prefill_rate_bits.store(new.to_bits(), Ordering::Relaxed);
     }
 
     /// Routing state now.
@@ -212,8 +248,12 @@ impl ClusterView {
             }
             out.push(Candidate {
                 index,
+                key: b.key,
                 inflight: b.inflight.load(Ordering::Relaxed),
                 signal: b.fresh_signal(now, stale_after),
+                pending_prefill_tokens: b.pending_prefill_tokens.load(Ordering::Relaxed),
+                prefill_tokens_per_s: b.prefill_tokens_per_s(),
+                matched_tokens: 0,
             });
         }
         (out, known)

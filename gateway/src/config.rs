@@ -37,6 +37,8 @@ pub struct GatewayConfig {
     pub scrape: ScrapeConfig,
     /// Routing policy.
     pub policy: PolicyConfig,
+    /// The approximate prefix index behind `prefix_affinity` and `cost`.
+    pub prefix_index: PrefixIndexConfig,
     /// Request limits.
     pub limits: LimitsConfig,
     /// Timeouts.
@@ -58,6 +60,7 @@ impl Default for GatewayConfig {
             discovery: DiscoveryConfig::default(),
             scrape: ScrapeConfig::default(),
             policy: PolicyConfig::default(),
+            prefix_index: PrefixIndexConfig::default(),
             limits: LimitsConfig::default(),
             timeouts: TimeoutsConfig::default(),
             retries: RetriesConfig::default(),
@@ -104,6 +107,31 @@ pub struct ScrapeConfig {
 impl Default for ScrapeConfig {
     fn default() -> Self {
         ScrapeConfig { interval_ms: 100, timeout_ms: 500, stale_after_ms: 2000, down_after_failures: 3 }
+    }
+}
+
+/// The gateway's approximate prefix index (see `policy::prefix_index`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrefixIndexConfig {
+    /// Bytes of canonical prompt text per hashed block (64 ≈ one 16-token KV block).
+    pub block_bytes: usize,
+    /// Hard bound on the index's memory.
+    pub max_bytes: usize,
+    /// Bytes of prompt text per token, to estimate prompt tokens without a tokenizer.
+    pub bytes_per_token: f64,
+}
+
+impl Default for PrefixIndexConfig {
+    fn default() -> Self {
+        PrefixIndexConfig { block_bytes: 64, max_bytes: 64 * 1024 * 1024, bytes_per_token: 4.0 }
+    }
+}
+
+impl PrefixIndexConfig {
+    /// Estimated tokens in `bytes` of prompt text.
+    pub fn tokens(&self, bytes: usize) -> u64 {
+        (bytes as f64 / self.bytes_per_token).round() as u64
     }
 }
 
@@ -279,6 +307,16 @@ impl GatewayConfig {
         }
         if let Err(e) = self.policy.validate() {
             bad(format!("policy.{}", e.0), e.1, &e.2);
+        }
+        let p = &self.prefix_index;
+        if !(1..=65_536).contains(&p.block_bytes) {
+            bad("prefix_index.block_bytes".into(), p.block_bytes.to_string(), "must be in 1..=65536");
+        }
+        if p.max_bytes < 4096 {
+            bad("prefix_index.max_bytes".into(), p.max_bytes.to_string(), "must be >= 4096");
+        }
+        if !(p.bytes_per_token.is_finite() && p.bytes_per_token > 0.0) {
+            bad("prefix_index.bytes_per_token".into(), p.bytes_per_token.to_string(), "must be a number > 0");
         }
         if self.limits.max_body_bytes == 0 {
             bad("limits.max_body_bytes".into(), "0".into(), "must be > 0");

@@ -16,6 +16,7 @@ pub mod config;
 pub mod error;
 pub mod metrics;
 pub mod policy;
+pub mod prefix;
 pub mod proxy;
 pub mod reload;
 pub mod request;

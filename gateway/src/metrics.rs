@@ -5,8 +5,8 @@
 //! request path only touches counters and histograms.
 
 use prometheus::{
-    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use crate::cluster::{BackendState, ClusterView};
@@ -35,6 +35,10 @@ pub struct GatewayMetrics {
     pub upstream_errors: IntCounterVec,
     /// Config reloads by result.
     pub config_reloads: IntCounterVec,
+    /// Share of the prompt the chosen backend had cached (prefix-aware policies).
+    pub prefix_match_ratio: Histogram,
+    /// Memory charged by the prefix index.
+    pub prefix_index_bytes: IntGauge,
     inflight: IntGaugeVec,
     waiting: GaugeVec,
     kv_usage: GaugeVec,
@@ -71,6 +75,17 @@ impl GatewayMetrics {
                 Opts::new("switchyard_config_reloads_total", "Config reloads by result."),
                 &["result"],
             )?,
+            prefix_match_ratio: Histogram::with_opts(
+                HistogramOpts::new(
+                    "switchyard_prefix_match_ratio",
+                    "Share of the prompt's blocks the chosen backend probably had cached.",
+                )
+                .buckets(vec![0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]),
+            )?,
+            prefix_index_bytes: IntGauge::new(
+                "switchyard_prefix_index_bytes",
+                "Memory charged by the gateway's prefix index.",
+            )?,
             inflight: IntGaugeVec::new(
                 Opts::new("switchyard_backend_inflight", "Requests in flight per backend."),
                 &["backend"],
@@ -93,6 +108,8 @@ impl GatewayMetrics {
         m.registry.register(Box::new(m.retries.clone()))?;
         m.registry.register(Box::new(m.upstream_errors.clone()))?;
         m.registry.register(Box::new(m.config_reloads.clone()))?;
+        m.registry.register(Box::new(m.prefix_match_ratio.clone()))?;
+        m.registry.register(Box::new(m.prefix_index_bytes.clone()))?;
         m.registry.register(Box::new(m.inflight.clone()))?;
         m.registry.register(Box::new(m.waiting.clone()))?;
         m.registry.register(Box::new(m.kv_usage.clone()))?;

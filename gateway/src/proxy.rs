@@ -37,8 +37,9 @@ use crate::access_log::{now_ms, AccessLine};
 use crate::cluster::{Backend, BackendState};
 use crate::config::GatewayConfig;
 use crate::error::ProxyError;
+use crate::policy::prefix_index::block_hashes;
 use crate::policy::RouteInput;
-use crate::request::routing_fields;
+use crate::request::{canonical_prompt, routing_fields};
 use crate::state::{Active, GatewayState};
 
 /// Headers that describe one hop and are never forwarded.
@@ -95,20 +96,41 @@ enum AttemptError {
     ClientGone,
 }
 
-/// Keeps a backend's in-flight count while a request is on it.
-struct InflightGuard<'a>(&'a Backend);
+/// Keeps a backend's in-flight count, and its pending prefill tokens until the first
+/// byte, while a request is on it.
+struct InflightGuard<'a> {
+    backend: &'a Backend,
+    /// This request's uncached prompt tokens, still counted as pending prefill.
+    pending: u64,
+    /// Prefill work ahead of and including this request at dispatch (for rate learning).
+    work: u64,
+    /// Learn the prefill rate from this request's first byte (streams only: a
+    /// non-streamed response's first byte comes after the whole generation).
+    learn: bool,
+    dispatched: Instant,
+}
 
 impl<'a> InflightGuard<'a> {
-    fn new(b: &'a Backend) -> Self {
-        b.inflight.fetch_add(1, Ordering::Relaxed);
-        b.routed.fetch_add(1, Ordering::Relaxed);
-        InflightGuard(b)
+    fn new(backend: &'a Backend, pending: u64, work: u64, learn: bool) -> Self {
+        backend.inflight.fetch_add(1, Ordering::Relaxed);
+        backend.routed.fetch_add(1, Ordering::Relaxed);
+        backend.pending_prefill_tokens.fetch_add(pending, Ordering::Relaxed);
+        InflightGuard { backend, pending, work, learn, dispatched: Instant::now() }
+    }
+
+    /// The first response chunk arrived: the prefill is done.
+    fn first_byte(&mut self) {
+        if self.learn {
+            self.backend.observe_prefill(self.work, self.dispatched.elapsed().as_secs_f64());
+        }
+        self.backend.pending_prefill_tokens.fetch_sub(std::mem::take(&mut self.pending), Ordering::Relaxed);
     }
 }
 
 impl Drop for InflightGuard<'_> {
     fn drop(&mut self) {
-        self.0.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.backend.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.backend.pending_prefill_tokens.fetch_sub(self.pending, Ordering::Relaxed);
     }
 }
 
@@ -234,6 +256,22 @@ impl ProxyApp {
         };
         log.model = Some(model.clone());
 
+        // What the prefix-aware policies need: block hashes of the canonical prompt, and
+        // the session header for `session`.
+        let policy = &active.policy;
+        let pcfg = &cfg.prefix_index;
+        let (hashes, prompt_tokens) = if policy.uses_prefix() {
+            let text = canonical_prompt(&body);
+            (block_hashes(text.as_bytes(), pcfg.block_bytes), pcfg.tokens(text.len()))
+        } else {
+            (Vec::new(), 0)
+        };
+        let session = policy
+            .session_header()
+            .and_then(|h| s.req_header().headers.get(h))
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+
         let mut tried: Vec<usize> = Vec::new();
         let mut last_error: Option<ProxyError> = None;
         loop {
@@ -252,15 +290,40 @@ impl ProxyApp {
                 let e = last_error.unwrap_or_else(|| ProxyError::NoBackend(model.clone()));
                 return self.fail(s, e, log).await;
             }
-            let decision = active.policy.select(&RouteInput { model: &model }, &candidates, &mut rand::rng());
-            self.state.metrics.decisions.with_label_values(&[active.policy.name(), decision.reason]).inc();
+            let mut candidates = candidates;
+            if !hashes.is_empty() {
+                let keys: Vec<(u64, u32)> = candidates
+                    .iter()
+                    .map(|c| {
+                        let b = &active.cluster.backends[c.index];
+                        (b.key, b.restarts.load(Ordering::Relaxed))
+                    })
+                    .collect();
+                let blocks = self.state.prefix.matched_blocks(&hashes, &keys);
+                for (c, n) in candidates.iter_mut().zip(blocks) {
+                    c.matched_tokens = pcfg.tokens(n * pcfg.block_bytes).min(prompt_tokens);
+                }
+            }
+            let input = RouteInput { model: &model, prompt_tokens, session: session.as_deref() };
+            let decision = policy.select(&input, &candidates, &mut rand::rng());
+            self.state.metrics.decisions.with_label_values(&[policy.name(), decision.reason]).inc();
+            let chosen = *candidates.iter().find(|c| c.index == decision.index).expect("policy picks a candidate");
             let backend = active.cluster.backends[decision.index].clone();
             log.backend = Some(backend.url.clone());
             log.reason = Some(decision.reason);
-            let _inflight = InflightGuard::new(&backend);
+            if !hashes.is_empty() {
+                let m = &self.state.metrics;
+                m.prefix_match_ratio.observe(chosen.matched_tokens as f64 / prompt_tokens.max(1) as f64);
+                m.prefix_index_bytes.set(self.state.prefix.insert(backend.key, &hashes) as i64);
+            }
+            let uncached = prompt_tokens - chosen.matched_tokens;
+            let work = chosen.pending_prefill_tokens + uncached;
+            let mut inflight = InflightGuard::new(&backend, uncached, work, fields.stream);
             match self.start_exchange(s, &backend, path, &body, cfg).await {
                 Ok((up, peer)) => {
-                    return self.stream_response(s, up, peer, &active, decision.index, started, log).await
+                    return self
+                        .stream_response(s, up, peer, &active, decision.index, started, log, &mut inflight)
+                        .await
                 }
                 Err(AttemptError::ClientGone) => {
                     log.status = 499;
@@ -345,6 +408,7 @@ impl ProxyApp {
         index: usize,
         started: Instant,
         log: &mut Log,
+        inflight: &mut InflightGuard<'_>,
     ) -> bool {
         let cfg = &active.config;
         let backend = &active.cluster.backends[index];
@@ -399,6 +463,7 @@ impl ProxyApp {
             };
             if !data.is_empty() {
                 if log.ttft.is_none() {
+                    inflight.first_byte();
                     let t = started.elapsed();
                     log.ttft = Some(t);
                     self.state.metrics.ttft.with_label_values(&[backend.url.as_str()]).observe(t.as_secs_f64());

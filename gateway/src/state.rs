@@ -17,6 +17,7 @@ use crate::cluster::{BackendSpec, ClusterView};
 use crate::config::{parse_backend_url, GatewayConfig};
 use crate::metrics::GatewayMetrics;
 use crate::policy::Policy;
+use crate::prefix::PrefixTracker;
 
 /// The config in force, the policy built from it and the backend set: one snapshot, so a
 /// request never sees a new policy with old backends or the reverse.
@@ -41,6 +42,8 @@ pub struct GatewayState {
     pub draining: AtomicBool,
     /// Access log (JSON lines on stdout, buffered).
     pub access_log: AccessLog,
+    /// What the gateway sent where: the prefix index of `prefix_affinity` and `cost`.
+    pub prefix: PrefixTracker,
 }
 
 /// Resolve the static backends of `cfg` (DNS happens here, once per apply, never per request).
@@ -64,7 +67,9 @@ impl GatewayState {
     pub fn new(config: GatewayConfig, metrics: GatewayMetrics) -> Arc<Self> {
         let cluster = Arc::new(ClusterView::rebuild(&ClusterView::default(), &backend_specs(&config)));
         let policy = config.policy.build();
+        let prefix = PrefixTracker::new(&config.prefix_index);
         Arc::new(GatewayState {
+            prefix,
             active: ArcSwap::from_pointee(Active { config, policy, cluster }),
             connector: Connector::new(None),
             metrics,
@@ -81,6 +86,10 @@ impl GatewayState {
             tracing::warn!("listen/admin_listen changes take effect after a restart");
         }
         let cluster = Arc::new(ClusterView::rebuild(&old.cluster, &backend_specs(&config)));
+        self.prefix.reconfigure(&config.prefix_index);
+        for gone in old.cluster.backends.iter().filter(|b| !cluster.backends.iter().any(|n| n.key == b.key)) {
+            self.prefix.remove(gone.key);
+        }
         let policy = config.policy.build();
         self.active.store(Arc::new(Active { config, policy, cluster }));
     }

@@ -136,7 +136,7 @@ pub struct ClusterArgs {
     #[arg(long = "engine-arg", allow_hyphen_values = true)]
     pub engine_args: Vec<String>,
     /// Gateway routing policy (`type` of `policy:`).
-    #[arg(long, default_value = "least_load")]
+    #[arg(long, default_value = "cost")]
     pub policy: String,
     /// Gateway worker threads.
     #[arg(long, default_value_t = 2)]

@@ -18,10 +18,19 @@
 //! | `least_request` | the fewest gateway in-flight requests (ties at random) |
 //! | `power_of_two` | the less loaded of two distinct random candidates (load as `least_load`) |
 //! | `least_load` | the lowest weighted load (see [`LoadWeights`]) |
+//! | `prefix_affinity` | the longest cached prefix unless that backend is overloaded ([`affinity`]) |
+//! | `cost` (default) | the lowest predicted time to first token ([`cost`]) |
+//! | `session` | a sticky backend per session header, with bounded load ([`session`]) |
+//!
+//! The prefix-aware policies read [`Candidate::matched_tokens`], which the request path fills
+//! from the gateway's [`prefix_index`] before asking (only when [`Policy::uses_prefix`]).
 
+pub mod affinity;
+pub mod cost;
 mod least_load;
 pub mod prefix_index;
 mod round_robin;
+pub mod session;
 
 use std::sync::atomic::AtomicUsize;
 
@@ -42,14 +51,24 @@ pub struct SignalView {
 }
 
 /// One backend that can take the request.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Candidate {
     /// Position in the cluster snapshot (returned in the decision).
     pub index: usize,
+    /// Stable identity of the backend across config reloads (hash of its URL): what
+    /// consistent hashing hashes.
+    pub key: u64,
     /// Requests this gateway has in flight to it.
     pub inflight: u64,
     /// Scraped signal, `None` when missing or stale.
     pub signal: Option<SignalView>,
+    /// Estimated prompt tokens of this gateway's requests to it that have not yet produced
+    /// a first byte (prefill work queued ahead of a new request).
+    pub pending_prefill_tokens: u64,
+    /// Learned prefill rate in tokens/s (0: nothing learned yet, the policy's prior applies).
+    pub prefill_tokens_per_s: f64,
+    /// Estimated leading prompt tokens this backend probably has cached.
+    pub matched_tokens: u64,
 }
 
 /// What the policy knows of the request.
@@ -57,6 +76,10 @@ pub struct Candidate {
 pub struct RouteInput<'a> {
     /// Requested model.
     pub model: &'a str,
+    /// Estimated prompt tokens (0 when the policy does not use prompts).
+    pub prompt_tokens: u64,
+    /// The session header's value, for `session`.
+    pub session: Option<&'a str>,
 }
 
 /// A policy's choice.
@@ -74,6 +97,15 @@ pub trait Policy: Send + Sync {
     fn name(&self) -> &'static str;
     /// Choose among non-empty `candidates`.
     fn select(&self, input: &RouteInput<'_>, candidates: &[Candidate], rng: &mut dyn rand::RngCore) -> Decision;
+    /// Whether the policy reads prompts and matched prefixes (the request path skips the
+    /// canonical text and the index otherwise).
+    fn uses_prefix(&self) -> bool {
+        false
+    }
+    /// The request header `session` reads, if any.
+    fn session_header(&self) -> Option<&str> {
+        None
+    }
 }
 
 /// `policy:` in the config file.
@@ -98,11 +130,17 @@ pub enum PolicyConfig {
         #[serde(default)]
         weights: LoadWeights,
     },
+    /// Longest cached prefix, guarded against hotspots.
+    PrefixAffinity(affinity::AffinityConfig),
+    /// Lowest predicted TTFT.
+    Cost(cost::CostConfig),
+    /// Sticky sessions by header.
+    Session(session::SessionConfig),
 }
 
 impl Default for PolicyConfig {
     fn default() -> Self {
-        PolicyConfig::LeastLoad { weights: LoadWeights::default() }
+        PolicyConfig::Cost(cost::CostConfig::default())
     }
 }
 
@@ -111,6 +149,9 @@ impl PolicyConfig {
     pub fn validate(&self) -> Result<(), (String, String, String)> {
         match self {
             PolicyConfig::PowerOfTwo { weights } | PolicyConfig::LeastLoad { weights } => weights.validate(),
+            PolicyConfig::PrefixAffinity(c) => c.validate(),
+            PolicyConfig::Cost(c) => c.validate(),
+            PolicyConfig::Session(c) => c.validate(),
             _ => Ok(()),
         }
     }
@@ -123,12 +164,24 @@ impl PolicyConfig {
             PolicyConfig::LeastRequest => Box::new(LeastRequest),
             PolicyConfig::PowerOfTwo { weights } => Box::new(PowerOfTwo { weights: *weights }),
             PolicyConfig::LeastLoad { weights } => Box::new(least_load::LeastLoad { weights: *weights }),
+            PolicyConfig::PrefixAffinity(c) => Box::new(affinity::PrefixAffinity(c.clone())),
+            PolicyConfig::Cost(c) => Box::new(cost::Cost(c.clone())),
+            PolicyConfig::Session(c) => Box::new(session::Session(c.clone())),
         }
     }
 }
 
+/// A finite number `>= min` or a field error.
+fn check_number(field: &str, v: f64, min: f64) -> Result<(), (String, String, String)> {
+    if v.is_finite() && v >= min {
+        Ok(())
+    } else {
+        Err((field.into(), v.to_string(), format!("must be a finite number >= {min}")))
+    }
+}
+
 /// Index into `candidates` of a minimum of `key`, ties broken uniformly at random.
-fn argmin_random_tie<K: PartialOrd + Copy>(
+pub(crate) fn argmin_random_tie<K: PartialOrd + Copy>(
     candidates: &[Candidate],
     rng: &mut dyn rand::RngCore,
     key: impl Fn(&Candidate) -> K,

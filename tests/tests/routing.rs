@@ -1,0 +1,117 @@
+//! Prefix-aware routing end to end: the gateway's `cost` policy keeps a conversation on the
+//! engine that has it cached, and that engine's prefix cache proves it.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use switchyard_testkit::*;
+
+const MODEL: &str = "meta-llama/Meta-Llama-3-8B-Instruct";
+
+async fn admin_backends(g: &GatewayProc) -> serde_json::Value {
+    send(g.admin, "GET", "/admin/backends", bytes::Bytes::new()).await.json().await
+}
+
+async fn routed(g: &GatewayProc) -> Vec<(String, u64)> {
+    let b = admin_backends(g).await;
+    b["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| (x["url"].as_str().unwrap().to_string(), x["routed"].as_u64().unwrap()))
+        .collect()
+}
+
+async fn wait_up(g: &GatewayProc, n: usize) {
+    let start = Instant::now();
+    loop {
+        let b = admin_backends(g).await;
+        let up =
+            b["backends"].as_array().unwrap().iter().filter(|x| x["state"] == "up" && !x["signal"].is_null()).count();
+        if up >= n {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "backends not scraped: {b}\n{}", g.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_conversation_stays_on_the_engine_that_cached_it() {
+    let engines = [
+        EngineProc::start(&["--sim-profile", "h100-llama3-8b"]),
+        EngineProc::start(&["--sim-profile", "h100-llama3-8b"]),
+    ];
+    let urls: Vec<String> = engines.iter().map(|e| e.url()).collect();
+    let g = GatewayProc::start(|l, a| gateway_yaml(l, a, &urls, "{ type: cost }"));
+    wait_up(&g, 2).await;
+    let hits_before: Vec<f64> = {
+        let mut v = Vec::new();
+        for e in &engines {
+            v.push(metric(&scrape(e.addr).await, "vllm:prefix_cache_hits_total"));
+        }
+        v
+    };
+
+    // A 2,000-token system prompt (a document), then 10 turns of the same conversation.
+    let mut messages = vec![json!({"role": "system", "content": prompt_of(2000, "d")})];
+    let mut homes = Vec::new();
+    for turn in 0..10 {
+        messages
+            .push(json!({"role": "user", "content": format!("question number {turn}: what does part {turn} say?")}));
+        let before = routed(&g).await;
+        let body = json!({"model": MODEL, "messages": messages, "max_tokens": 8, "ignore_eos": true, "stream": true});
+        let mut stream = post(g.addr, "/v1/chat/completions", &body).await;
+        assert_eq!(stream.status, 200);
+        let mut answer = String::new();
+        while let Some(e) = stream.next_event().await {
+            if e == "[DONE]" {
+                break;
+            }
+            let v: serde_json::Value = serde_json::from_str(&e).unwrap();
+            answer.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+        }
+        assert!(!answer.is_empty(), "turn {turn}: empty answer");
+        messages.push(json!({"role": "assistant", "content": answer}));
+        let after = routed(&g).await;
+        let home: Vec<usize> = (0..2).filter(|&i| after[i].1 > before[i].1).collect();
+        assert_eq!(home.len(), 1, "turn {turn}: {before:?} → {after:?}");
+        homes.push(home[0]);
+    }
+    let home = homes[0];
+    assert!(homes.iter().all(|&h| h == home), "turns went to {homes:?}\n{}", g.log());
+
+    // The home engine's prefix cache served every later turn's conversation so far
+    // (≥ 2,000 tokens each); the other engine saw nothing.
+    let mut hits = Vec::new();
+    for (i, e) in engines.iter().enumerate() {
+        hits.push(metric(&scrape(e.addr).await, "vllm:prefix_cache_hits_total") - hits_before[i]);
+    }
+    assert!(hits[home] >= 9.0 * 2000.0, "prefix hits per engine: {hits:?}");
+    assert_eq!(hits[1 - home], 0.0, "prefix hits per engine: {hits:?}");
+
+    // The gateway's own view: 9 decisions by cache hit, match ratios recorded, index non-empty.
+    let gm = scrape(g.admin).await;
+    let prefix_hits: f64 = gm
+        .iter()
+        .filter(|s| {
+            s.name == "switchyard_routing_decisions_total" && s.labels.get("reason").is_some_and(|r| r == "prefix_hit")
+        })
+        .map(|s| match s.value {
+            SeriesValue::Scalar(v) => v,
+            _ => 0.0,
+        })
+        .sum();
+    assert_eq!(prefix_hits, 9.0, "{}", g.log());
+    assert!(metric(&gm, "switchyard_prefix_index_bytes") > 0.0);
+    let ratio = gm.iter().find(|s| s.name == "switchyard_prefix_match_ratio").expect("match ratio histogram");
+    match &ratio.value {
+        SeriesValue::Histogram { count, buckets } => {
+            assert_eq!(*count, 10.0);
+            // The first turn matched nothing; every later turn matched ≥ 90% of its prompt.
+            let below_09 = buckets.iter().find(|(le, _)| (*le - 0.9).abs() < 1e-9).unwrap().1;
+            assert_eq!(below_09, 1.0, "{buckets:?}");
+        }
+        _ => panic!("not a histogram"),
+    }
+}
