@@ -26,7 +26,7 @@ POLICIES = ["round_robin", "least_load", "prefix_affinity", "cost"]
 def cluster(name, policy, engines, workload_args):
     out = os.path.join(WORK, f"{name}-{policy}")
     cmd = [f"{BIN}/switchyard-loadtest", "cluster", "--engines", str(engines), "--sim-profile", "h100-llama3-8b",
-           "--policy", policy, "--out", out, "--", "--endpoint", "chat", "--seed", "1", *workload_args]
+           "--policy", policy, "--", "--endpoint", "chat", "--seed", "1", "--out", out, *workload_args]
     subprocess.run(cmd, check=True)
     with open(os.path.join(out, "summary.json")) as f:
         s = json.load(f)
@@ -52,6 +52,8 @@ def main():
     ap.add_argument("--rate", type=float, default=10.0, help="requests/s (≈70%% of 8 simulated H100s)")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--engines", type=int, default=8)
+    ap.add_argument("--workloads", default="shared-prefix,no-prefix,multi-turn", help="comma list")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma list")
     args = ap.parse_args()
     n = 200 if args.quick else args.requests
     subprocess.run(["cargo", "build", "--release", "--locked", "-p", "switchyard-engine", "-p", "switchyard-gateway",
@@ -64,11 +66,16 @@ def main():
         "multi-turn": ["--workload", "multi-turn", "--turns", "6", "--think-time-s", "2", "--input-len", "400", *common],
     }
     results = {}
-    for w, wargs in workloads.items():
-        policies = ["least_load", "cost"] if w == "no-prefix" else POLICIES
-        results[w] = {p: cluster(w, p, args.engines, wargs) for p in policies}
+    chosen = args.policies.split(",")
+    for w in args.workloads.split(","):
+        policies = [p for p in chosen if p in ("least_load", "cost")] if w == "no-prefix" else chosen
+        results[w] = {p: cluster(w, p, args.engines, workloads[w]) for p in policies}
         table(w, results[w])
 
+    need = {"shared-prefix": ["round_robin", "least_load", "cost"], "no-prefix": ["least_load", "cost"]}
+    if any(w not in results or any(p not in results[w] for p in ps) for w, ps in need.items()):
+        print(f"\n(bars need shared-prefix and no-prefix with round_robin, least_load, cost; reports under {WORK})")
+        return
     sp, npf = results["shared-prefix"], results["no-prefix"]
     r_rr = sp["cost"]["ttft"]["p90"] / sp["round_robin"]["ttft"]["p90"]
     r_ll = sp["cost"]["ttft"]["p90"] / sp["least_load"]["ttft"]["p90"]

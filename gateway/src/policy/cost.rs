@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! queue_tokens  = max(pending_prefill_tokens, waiting · queued_prompt_tokens)
+//!                 + running · running_token_cost
 //! ttft(backend) = (queue_tokens + prompt_tokens − matched_tokens) / prefill_rate
 //! ```
 //!
@@ -10,12 +11,24 @@
 //! - `waiting · queued_prompt_tokens`: the engine's own queue (scraped), for traffic that did
 //!   not come through this gateway; each queued request is priced at the configured mean
 //!   prompt. The larger of the two counts, as they mostly describe the same requests.
+//! - `running · running_token_cost`: every sequence in the running batch takes a share of
+//!   each step (decode tokens come first in a chunked-prefill step, and the step grows with
+//!   the batch), so a big batch delays a new prefill. Without this term a cache hit would
+//!   pile every request of a group onto one engine until its KV cache overflowed.
 //! - `matched_tokens`: the leading prompt tokens the backend probably has cached (the
 //!   gateway's prefix index); those skip prefill.
 //! - `prefill_rate`: tokens/s learned per backend from observed TTFTs (an EWMA kept by the
-//!   request path, see `Backend::observe_prefill`), `prefill_tokens_per_s` until learned.
+//!   request path, see `Backend::observe_prefill`). A backend not learned yet is assumed to
+//!   run at the mean of the candidates' learned rates (engines behind one gateway are usually
+//!   alike), or at `prefill_tokens_per_s` when none is learned: pricing an unknown engine at
+//!   a pessimistic prior would starve it of the very traffic it needs to be learned. For the
+//!   same reason a learned rate is clamped to 0.9–1.1× that mean: a rate learned while the
+//!   engine was busy is low, and an engine priced as slow gets no traffic, so no new samples.
 //!
-//! Ties (within `tie_epsilon_ms`) go to the lower `least_load` score. With a stale signal
+//! Predictions are estimates: ones within `tie_epsilon_ms` or `tie_ratio` (25%) of the best
+//! are ties, and go to the lower `least_load` score. The band is wider than the rate clamp,
+//! so rate noise between alike engines never decides alone; a cache hit (a prompt mostly
+//! cached is many times cheaper) or a real queue difference does. With a stale signal
 //! anywhere, the waiting term is dropped for every candidate (same units for all; reason
 //! `stale_signal_fallback`). Reasons: `prefix_hit` when the pick has matched tokens,
 //! `shortest_queue` otherwise.
@@ -32,8 +45,12 @@ pub struct CostConfig {
     pub prefill_tokens_per_s: f64,
     /// Price of one request in an engine's waiting queue, in prompt tokens.
     pub queued_prompt_tokens: f64,
+    /// Price of one sequence in an engine's running batch, in prompt tokens.
+    pub running_token_cost: f64,
     /// Predictions closer than this are ties, broken by load.
     pub tie_epsilon_ms: f64,
+    /// Predictions within this fraction of the best are ties too.
+    pub tie_ratio: f64,
     /// Load weights for ties.
     pub weights: LoadWeights,
 }
@@ -43,7 +60,9 @@ impl Default for CostConfig {
         CostConfig {
             prefill_tokens_per_s: 10_000.0,
             queued_prompt_tokens: 512.0,
+            running_token_cost: 64.0,
             tie_epsilon_ms: 0.5,
+            tie_ratio: 0.25,
             weights: LoadWeights::default(),
         }
     }
@@ -53,18 +72,21 @@ impl CostConfig {
     pub(super) fn validate(&self) -> Result<(), (String, String, String)> {
         check_number("prefill_tokens_per_s", self.prefill_tokens_per_s, 1.0)?;
         check_number("queued_prompt_tokens", self.queued_prompt_tokens, 0.0)?;
+        check_number("running_token_cost", self.running_token_cost, 0.0)?;
         check_number("tie_epsilon_ms", self.tie_epsilon_ms, 0.0)?;
+        check_number("tie_ratio", self.tie_ratio, 0.0)?;
         self.weights.validate()
     }
 
-    /// Predicted TTFT in ms of `input` on `c`; `fresh`: whether to count the scraped queue.
-    pub fn predicted_ttft_ms(&self, input: &RouteInput<'_>, c: &Candidate, fresh: bool) -> f64 {
-        let rate = if c.prefill_tokens_per_s > 0.0 { c.prefill_tokens_per_s } else { self.prefill_tokens_per_s };
-        let queued = match (fresh, c.signal) {
-            (true, Some(s)) => s.waiting * self.queued_prompt_tokens,
-            _ => 0.0,
+    /// Predicted TTFT in ms of `input` on `c`; `fresh`: whether to count the scraped
+    /// queue; `default_rate`: the rate of a backend not learned yet.
+    pub fn predicted_ttft_ms(&self, input: &RouteInput<'_>, c: &Candidate, fresh: bool, default_rate: f64) -> f64 {
+        let rate = if c.prefill_tokens_per_s > 0.0 { c.prefill_tokens_per_s } else { default_rate };
+        let (queued, running) = match (fresh, c.signal) {
+            (true, Some(s)) => (s.waiting * self.queued_prompt_tokens, s.running * self.running_token_cost),
+            _ => (0.0, 0.0),
         };
-        let queue = (c.pending_prefill_tokens as f64).max(queued);
+        let queue = (c.pending_prefill_tokens as f64).max(queued) + running;
         let own = input.prompt_tokens.saturating_sub(c.matched_tokens) as f64;
         (queue + own) / rate * 1e3
     }
@@ -84,11 +106,29 @@ impl Policy for Cost {
     fn select(&self, input: &RouteInput<'_>, c: &[Candidate], rng: &mut dyn rand::RngCore) -> Decision {
         let cfg = &self.0;
         let fresh = c.iter().all(|x| x.signal.is_some());
-        let ttft: Vec<f64> = c.iter().map(|x| cfg.predicted_ttft_ms(input, x, fresh)).collect();
+        let learned: Vec<f64> = c.iter().map(|x| x.prefill_tokens_per_s).filter(|r| *r > 0.0).collect();
+        let default_rate = if learned.is_empty() {
+            cfg.prefill_tokens_per_s
+        } else {
+            learned.iter().sum::<f64>() / learned.len() as f64
+        };
+        // A learned rate counts only within ±10% of the mean: a backend that learned a low
+        // rate while busy would otherwise get no traffic, hence no new samples, ever.
+        let clamped: Vec<Candidate> = c
+            .iter()
+            .map(|x| {
+                let mut x = *x;
+                if x.prefill_tokens_per_s > 0.0 {
+                    x.prefill_tokens_per_s = x.prefill_tokens_per_s.clamp(0.9 * default_rate, 1.1 * default_rate);
+                }
+                x
+            })
+            .collect();
+        let ttft: Vec<f64> = clamped.iter().map(|x| cfg.predicted_ttft_ms(input, x, fresh, default_rate)).collect();
         let best = ttft.iter().copied().fold(f64::INFINITY, f64::min);
         // Among the near-best predictions, the least loaded.
-        let near: Vec<Candidate> =
-            c.iter().zip(&ttft).filter(|(_, t)| **t <= best + cfg.tie_epsilon_ms).map(|(x, _)| *x).collect();
+        let slack = cfg.tie_epsilon_ms.max(best * cfg.tie_ratio);
+        let near: Vec<Candidate> = c.iter().zip(&ttft).filter(|(_, t)| **t <= best + slack).map(|(x, _)| *x).collect();
         let pick = near[argmin_random_tie(&near, rng, |x| load_score(&cfg.weights, x, fresh))];
         let reason = match (fresh, pick.matched_tokens > 0) {
             (false, _) => "stale_signal_fallback",

@@ -163,11 +163,31 @@ fn cost_uses_pending_tokens_and_learned_rates() {
     busy.pending_prefill_tokens = 6000;
     let c = [busy, cand(1, 0, Some((0.0, 0.0, 0.0)))];
     assert_eq!(pick_for(&cost(), &prompt(1000), &c, 1).index, 1);
-    // A backend learned to be 4× faster wins with the same queue.
-    let mut fast = cand(0, 0, Some((2.0, 0.0, 0.0)));
+    // A learned rate enters the prediction (clamped to 0.9–1.1× the mean).
+    let mut fast = cand(0, 0, Some((1.0, 0.0, 0.0)));
     fast.prefill_tokens_per_s = 40_000.0;
-    let c = [fast, cand(1, 0, Some((1.0, 0.0, 0.0)))];
-    assert_eq!(pick_for(&cost(), &prompt(1000), &c, 1).index, 0);
+    let cc = cost::CostConfig::default();
+    let (f, d) = (
+        cc.predicted_ttft_ms(&prompt(4000), &fast, true, 25_000.0),
+        cc.predicted_ttft_ms(&prompt(4000), &cand(1, 0, Some((1.0, 0.0, 0.0))), true, 25_000.0),
+    );
+    assert!((f - 4512.0 / 40_000.0 * 1e3).abs() < 1e-9 && (d - 4512.0 / 25_000.0 * 1e3).abs() < 1e-9, "{f} {d}");
+    // …but a low learned rate cannot price a backend out for good: 1,000 vs 100,000 tok/s
+    // count as 45,450 vs 55,550: idle 88 ms beats 8 queued 146 ms.
+    let mut starved = cand(0, 0, Some((0.0, 0.0, 0.0)));
+    starved.prefill_tokens_per_s = 1_000.0;
+    let mut quick = cand(1, 0, Some((8.0, 0.0, 0.0)));
+    quick.prefill_tokens_per_s = 100_000.0;
+    assert_eq!(pick_for(&cost(), &prompt(4000), &[starved, quick], 1).index, 0);
+    // A backend not learned yet is priced at the learned mean, not at the (low) prior: with
+    // equal queues the two tie and the less loaded, unlearned one gets the request.
+    let mut learned = cand(0, 2, Some((0.0, 0.0, 0.0)));
+    learned.prefill_tokens_per_s = 40_000.0;
+    let c = [learned, cand(1, 0, Some((0.0, 0.0, 0.0)))];
+    assert_eq!(pick_for(&cost(), &prompt(4000), &c, 1).index, 1);
+    // A big running batch counts as queued work (8 · 0 + 200 · 64 = 12,800 tokens ahead).
+    let c = [matched(cand(0, 0, Some((0.0, 200.0, 0.8))), 3000), cand(1, 0, Some((0.0, 2.0, 0.1)))];
+    assert_eq!(pick_for(&cost(), &prompt(4000), &c, 1), Decision { index: 1, reason: "shortest_queue" });
     // Equal predictions: the lower load wins.
     let c = [cand(0, 4, Some((0.0, 9.0, 0.9))), cand(1, 0, Some((0.0, 1.0, 0.1)))];
     assert_eq!(pick_for(&cost(), &prompt(100), &c, 1), Decision { index: 1, reason: "shortest_queue" });
