@@ -1,7 +1,7 @@
 //! `cost` (the default): pick the backend with the lowest predicted time to first token.
 //!
 //! ```text
-//! queue_tokens  = max(pending_prefill_tokens, waiting · queued_prompt_tokens)
+//! queue_tokens  = max(pending_prefill_tokens, waiting · max(queued_prompt_tokens, uncached))
 //!                 + running · running_token_cost
 //! ttft(backend) = (queue_tokens + prompt_tokens − matched_tokens) / prefill_rate
 //! ```
@@ -9,8 +9,10 @@
 //! - `pending_prefill_tokens`: prompt tokens this gateway sent there that have not produced
 //!   a first byte yet — exact for our own traffic, available between scrapes.
 //! - `waiting · queued_prompt_tokens`: the engine's own queue (scraped), for traffic that did
-//!   not come through this gateway; each queued request is priced at the configured mean
-//!   prompt. The larger of the two counts, as they mostly describe the same requests.
+//!   not come through this gateway; each queued request is priced like this request's
+//!   uncached prompt on that backend, `uncached = prompt_tokens − matched_tokens` (at least
+//!   `queued_prompt_tokens`): requests of one workload are mostly alike,
+//!   and a fixed price underrated queues of long prompts (no-prefix benchmark, 1.14×). The larger of the two counts, as they mostly describe the same requests.
 //! - `running · running_token_cost`: every sequence in the running batch takes a share of
 //!   each step (decode tokens come first in a chunked-prefill step, and the step grows with
 //!   the batch), so a big batch delays a new prefill. Without this term a cache hit would
@@ -83,7 +85,12 @@ impl CostConfig {
     pub fn predicted_ttft_ms(&self, input: &RouteInput<'_>, c: &Candidate, fresh: bool, default_rate: f64) -> f64 {
         let rate = if c.prefill_tokens_per_s > 0.0 { c.prefill_tokens_per_s } else { default_rate };
         let (queued, running) = match (fresh, c.signal) {
-            (true, Some(s)) => (s.waiting * self.queued_prompt_tokens, s.running * self.running_token_cost),
+            // A queued request is priced like this one would be here (workloads are mostly
+            // alike), at least `queued_prompt_tokens`.
+            (true, Some(s)) => (
+                s.waiting * self.queued_prompt_tokens.max(input.prompt_tokens.saturating_sub(c.matched_tokens) as f64),
+                s.running * self.running_token_cost,
+            ),
             _ => (0.0, 0.0),
         };
         let queue = (c.pending_prefill_tokens as f64).max(queued) + running;

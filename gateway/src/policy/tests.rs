@@ -171,9 +171,9 @@ fn cost_uses_pending_tokens_and_learned_rates() {
         cc.predicted_ttft_ms(&prompt(4000), &fast, true, 25_000.0),
         cc.predicted_ttft_ms(&prompt(4000), &cand(1, 0, Some((1.0, 0.0, 0.0))), true, 25_000.0),
     );
-    assert!((f - 4512.0 / 40_000.0 * 1e3).abs() < 1e-9 && (d - 4512.0 / 25_000.0 * 1e3).abs() < 1e-9, "{f} {d}");
+    assert!((f - 8000.0 / 40_000.0 * 1e3).abs() < 1e-9 && (d - 8000.0 / 25_000.0 * 1e3).abs() < 1e-9, "{f} {d}");
     // …but a low learned rate cannot price a backend out for good: 1,000 vs 100,000 tok/s
-    // count as 45,450 vs 55,550: idle 88 ms beats 8 queued 146 ms.
+    // count as 45,450 vs 55,550: idle 88 ms beats 8 queued 648 ms.
     let mut starved = cand(0, 0, Some((0.0, 0.0, 0.0)));
     starved.prefill_tokens_per_s = 1_000.0;
     let mut quick = cand(1, 0, Some((8.0, 0.0, 0.0)));
