@@ -191,3 +191,29 @@ pub fn prompt_of(n: usize, salt: &str) -> String {
     assert_eq!(salt.len(), 1, "one letter + 3 digits = one token");
     (0..n).map(|i| format!(" {}{:03}", salt, i % 1000)).collect()
 }
+
+/// The gateway's `/admin/backends` as JSON.
+pub async fn backends(g: &crate::procs::GatewayProc) -> serde_json::Value {
+    send(g.admin, "GET", "/admin/backends", Bytes::new()).await.json().await
+}
+
+/// Wait until `n` of the gateway's backends are up with a signal and a model list.
+pub async fn wait_scraped(g: &crate::procs::GatewayProc, n: usize) {
+    let start = Instant::now();
+    loop {
+        let b = backends(g).await;
+        let ready = b["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|x| {
+                x["state"] == "up" && !x["signal"].is_null() && x["models"].as_array().is_some_and(|m| !m.is_empty())
+            })
+            .count();
+        if ready >= n {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "backends not scraped: {b}\n{}", g.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

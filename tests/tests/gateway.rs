@@ -16,32 +16,6 @@ async fn start_gateway(engines: &[&EngineProc], policy: &str) -> GatewayProc {
     g
 }
 
-/// `/admin/backends` as JSON.
-async fn backends(g: &GatewayProc) -> serde_json::Value {
-    send(g.admin, "GET", "/admin/backends", bytes::Bytes::new()).await.json().await
-}
-
-/// Wait until `n` backends are up with a signal and a model list.
-async fn wait_scraped(g: &GatewayProc, n: usize) {
-    let start = Instant::now();
-    loop {
-        let b = backends(g).await;
-        let ready = b["backends"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|x| {
-                x["state"] == "up" && !x["signal"].is_null() && x["models"].as_array().is_some_and(|m| !m.is_empty())
-            })
-            .count();
-        if ready >= n {
-            return;
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "backends not scraped: {b}\n{}", g.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// `n` short completions through the gateway, one after another; each must succeed.
 async fn send_short_requests(g: &GatewayProc, n: u64) {
     for i in 0..n {

@@ -1,39 +1,19 @@
 //! Prefix-aware routing end to end: the gateway's `cost` policy keeps a conversation on the
 //! engine that has it cached, and that engine's prefix cache proves it.
 
-use std::time::{Duration, Instant};
-
 use serde_json::json;
 use switchyard_testkit::*;
 
 const MODEL: &str = "meta-llama/Meta-Llama-3-8B-Instruct";
 
-async fn admin_backends(g: &GatewayProc) -> serde_json::Value {
-    send(g.admin, "GET", "/admin/backends", bytes::Bytes::new()).await.json().await
-}
-
 async fn routed(g: &GatewayProc) -> Vec<(String, u64)> {
-    let b = admin_backends(g).await;
+    let b = backends(g).await;
     b["backends"]
         .as_array()
         .unwrap()
         .iter()
         .map(|x| (x["url"].as_str().unwrap().to_string(), x["routed"].as_u64().unwrap()))
         .collect()
-}
-
-async fn wait_up(g: &GatewayProc, n: usize) {
-    let start = Instant::now();
-    loop {
-        let b = admin_backends(g).await;
-        let up =
-            b["backends"].as_array().unwrap().iter().filter(|x| x["state"] == "up" && !x["signal"].is_null()).count();
-        if up >= n {
-            return;
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "backends not scraped: {b}\n{}", g.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -44,7 +24,7 @@ async fn a_long_conversation_stays_on_the_engine_that_cached_it() {
     ];
     let urls: Vec<String> = engines.iter().map(|e| e.url()).collect();
     let g = GatewayProc::start(|l, a| gateway_yaml(l, a, &urls, "{ type: cost }"));
-    wait_up(&g, 2).await;
+    wait_scraped(&g, 2).await;
     let hits_before: Vec<f64> = {
         let mut v = Vec::new();
         for e in &engines {

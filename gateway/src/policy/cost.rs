@@ -84,17 +84,14 @@ impl CostConfig {
     /// queue; `default_rate`: the rate of a backend not learned yet.
     pub fn predicted_ttft_ms(&self, input: &RouteInput<'_>, c: &Candidate, fresh: bool, default_rate: f64) -> f64 {
         let rate = if c.prefill_tokens_per_s > 0.0 { c.prefill_tokens_per_s } else { default_rate };
+        let own = input.prompt_tokens.saturating_sub(c.matched_tokens) as f64;
         let (queued, running) = match (fresh, c.signal) {
             // A queued request is priced like this one would be here (workloads are mostly
             // alike), at least `queued_prompt_tokens`.
-            (true, Some(s)) => (
-                s.waiting * self.queued_prompt_tokens.max(input.prompt_tokens.saturating_sub(c.matched_tokens) as f64),
-                s.running * self.running_token_cost,
-            ),
+            (true, Some(s)) => (s.waiting * self.queued_prompt_tokens.max(own), s.running * self.running_token_cost),
             _ => (0.0, 0.0),
         };
         let queue = (c.pending_prefill_tokens as f64).max(queued) + running;
-        let own = input.prompt_tokens.saturating_sub(c.matched_tokens) as f64;
         (queue + own) / rate * 1e3
     }
 }
@@ -121,17 +118,16 @@ impl Policy for Cost {
         };
         // A learned rate counts only within ±10% of the mean: a backend that learned a low
         // rate while busy would otherwise get no traffic, hence no new samples, ever.
-        let clamped: Vec<Candidate> = c
+        let ttft: Vec<f64> = c
             .iter()
             .map(|x| {
                 let mut x = *x;
                 if x.prefill_tokens_per_s > 0.0 {
                     x.prefill_tokens_per_s = x.prefill_tokens_per_s.clamp(0.9 * default_rate, 1.1 * default_rate);
                 }
-                x
+                cfg.predicted_ttft_ms(input, &x, fresh, default_rate)
             })
             .collect();
-        let ttft: Vec<f64> = clamped.iter().map(|x| cfg.predicted_ttft_ms(input, x, fresh, default_rate)).collect();
         let best = ttft.iter().copied().fold(f64::INFINITY, f64::min);
         // Among the near-best predictions, the least loaded.
         let slack = cfg.tie_epsilon_ms.max(best * cfg.tie_ratio);
