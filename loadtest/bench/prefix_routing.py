@@ -14,7 +14,8 @@ Workloads (issue #5):
   shared-prefix  32 groups × a 4,000-token shared prefix + 200-token questions, 256 output
                  tokens, Poisson arrivals at RATE (default 70% of the measured capacity)
   no-prefix      independent 4,200-token prompts (cost must not regress against least_load)
-  multi-turn     conversations re-sending their history
+  multi-turn     conversations of 6 turns re-sending their history (400-token turns, 2 s
+                 think time), at the shared-prefix request rate (conversations/s = rate / 6)
 
 Prints, per workload and policy: TTFT p50/p90/p99, ITL p50/p99, output tokens/s, the
 engines' aggregate prefix-cache hit rate; then the bars' ratios. Writes one TTFT CDF per
@@ -30,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BIN = os.path.join(ROOT, "target", "release")
 WORK = os.path.join(ROOT, ".cache", "bench", "prefix-routing")
 POLICIES = ["round_robin", "least_load", "prefix_affinity", "cost"]
+TURNS = 6
 
 
 def cluster(name, policy, engines, workload_args):
@@ -101,19 +103,22 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run, not the benchmark)")
     ap.add_argument("--rate", type=float, help="requests/s (default: 70%% of the measured capacity)")
     ap.add_argument("--probe-rate", type=float, default=120.0, help="offered rate of the capacity probe")
+    ap.add_argument("--multi-turn-rate", type=float, help="conversations/s (default: the shared-prefix rate / turns)")
     ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--no-build", action="store_true", help="use the release binaries already built")
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--workloads", default="shared-prefix,no-prefix,multi-turn", help="comma list")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma list")
     args = ap.parse_args()
     n = 200 if args.quick else args.requests
-    subprocess.run(["cargo", "build", "--release", "--locked", "-p", "switchyard-engine", "-p", "switchyard-gateway",
-                    "-p", "switchyard-loadtest"], cwd=ROOT, check=True)
+    if not args.no_build:
+        subprocess.run(["cargo", "build", "--release", "--locked", "-p", "switchyard-engine", "-p", "switchyard-gateway",
+                        "-p", "switchyard-loadtest"], cwd=ROOT, check=True)
     os.makedirs(WORK, exist_ok=True)
     shape = {
         "shared-prefix": ["--workload", "shared-prefix", "--groups", "32", "--prefix-len", "4000", "--input-len", "200"],
         "no-prefix": ["--workload", "synthetic", "--input-len", "4200"],
-        "multi-turn": ["--workload", "multi-turn", "--turns", "6", "--think-time-s", "2", "--input-len", "400"],
+        "multi-turn": ["--workload", "multi-turn", "--turns", str(TURNS), "--think-time-s", "2", "--input-len", "400"],
     }
     chosen = args.policies.split(",")
     probe_n = 300 if args.quick else 1200
@@ -128,7 +133,7 @@ def main():
     # saturated: that is the throughput comparison (in an open loop below saturation every
     # policy completes what is offered).
     saturation, rates = {}, {}
-    for w in args.workloads.split(","):
+    for w in [w for w in args.workloads.split(",") if w != "multi-turn"]:
         policies = chosen if w == "shared-prefix" else ["round_robin"]
         saturation[w] = {p: probe(w, p) for p in policies if args.rate is None or w == "shared-prefix"}
         if args.rate is not None:
@@ -138,6 +143,18 @@ def main():
             rates[w] = round(0.7 * cap, 1)
             print(f"\ncapacity of {w}: {cap:.1f} req/s completed with {args.probe_rate:.0f} req/s offered to "
                   f"round_robin; runs at 70% = {rates[w]} req/s")
+    # Multi-turn arrivals are conversations of TURNS requests each, and think times pace them,
+    # so an overload probe says little. They run at the shared-prefix request rate (similar
+    # prompt lengths): conversations/s = that rate / TURNS.
+    if "multi-turn" in args.workloads.split(","):
+        if args.multi_turn_rate is not None:
+            rates["multi-turn"] = args.multi_turn_rate
+        else:
+            if "shared-prefix" not in rates:
+                cap = probe("shared-prefix", "round_robin")["rps"]
+                rates["shared-prefix"] = round(0.7 * cap, 1)
+            rates["multi-turn"] = round(rates["shared-prefix"] / TURNS, 2)
+        print(f"\nmulti-turn: {rates['multi-turn']} conversations/s of {TURNS} turns")
     if "shared-prefix" in saturation:
         print("\n### shared-prefix at saturation\n")
         print(f"| policy | completed req/s ({args.probe_rate:.0f} offered) | output tok/s | TTFT p50 ms | prefix hit rate |")
