@@ -17,6 +17,8 @@ use crate::scheduler::SchedulerConfig;
 pub enum BackendKind {
     /// Calibrated GPU timing model (no weights, deterministic words).
     Sim,
+    /// A real model (GGUF llama) computed on the CPU.
+    Cpu,
 }
 
 /// Command-line flags. Names follow vLLM's `vllm serve` where vLLM has the flag.
@@ -68,6 +70,12 @@ pub struct EngineArgs {
     /// Seed of requests that do not give one.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// cpu: KV cache size in GiB (vLLM's `VLLM_CPU_KVCACHE_SPACE`).
+    #[arg(long, default_value_t = 1.0)]
+    pub kv_cache_space: f64,
+    /// cpu: compute threads (default: one per CPU).
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 impl EngineArgs {
@@ -98,6 +106,12 @@ pub struct EngineConfig {
     pub enable_prefix_caching: bool,
     /// Default request seed.
     pub seed: u64,
+    /// cpu: the model file (`--model`, default: the fetched SmolLM2-135M-Instruct).
+    pub model_path: std::path::PathBuf,
+    /// cpu: KV cache bytes.
+    pub kv_cache_bytes: usize,
+    /// cpu: compute threads.
+    pub threads: usize,
 }
 
 fn invalid(field: &'static str, value: impl ToString, reason: impl Into<String>) -> ConfigError {
@@ -134,16 +148,30 @@ impl EngineConfig {
                 format!("must be >= --max-num-seqs ({})", a.max_num_seqs),
             ));
         }
-        let max_model_len = a.max_model_len.unwrap_or(profile.model.max_context);
-        if max_model_len < 2 {
+        // cpu: 0 means "the model's context length", resolved when the file is loaded.
+        let max_model_len = match a.backend {
+            BackendKind::Sim => a.max_model_len.unwrap_or(profile.model.max_context),
+            BackendKind::Cpu => a.max_model_len.unwrap_or(0),
+        };
+        if max_model_len < 2 && !(a.backend == BackendKind::Cpu && a.max_model_len.is_none()) {
             return Err(invalid("--max-model-len", max_model_len, "must be at least 2"));
         }
         if !(a.gpu_memory_utilization > 0.0 && a.gpu_memory_utilization <= 1.0) {
             return Err(invalid("--gpu-memory-utilization", a.gpu_memory_utilization, "must be in (0, 1]"));
         }
+        if !(a.kv_cache_space > 0.0 && a.kv_cache_space <= 1024.0) {
+            return Err(invalid("--kv-cache-space", a.kv_cache_space, "must be in (0, 1024] GiB"));
+        }
+        let threads = match a.threads {
+            Some(0) => return Err(invalid("--threads", 0, "must be at least 1")),
+            Some(n) => n,
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
         let num_blocks = match a.num_gpu_blocks_override {
             Some(0) => return Err(invalid("--num-gpu-blocks-override", 0, "must be at least 1")),
             Some(n) => n,
+            // cpu: sized from --kv-cache-space once the model's shape is known.
+            None if a.backend == BackendKind::Cpu => 0,
             None => sim::kv_cache_blocks(&profile, a.block_size, a.gpu_memory_utilization).ok_or_else(|| {
                 invalid(
                     "--tensor-parallel-size",
@@ -152,8 +180,15 @@ impl EngineConfig {
                 )
             })?,
         };
-        let served_model_name =
-            a.served_model_name.clone().or_else(|| a.model.clone()).unwrap_or_else(|| profile.model.name.to_string());
+        let default_name = match a.backend {
+            BackendKind::Sim => profile.model.name.to_string(),
+            BackendKind::Cpu => crate::model::DEFAULT_MODEL_NAME.to_string(),
+        };
+        let served_model_name = a.served_model_name.clone().or_else(|| a.model.clone()).unwrap_or(default_name);
+        let model_path = match (a.backend, &a.model) {
+            (BackendKind::Cpu, Some(m)) => std::path::PathBuf::from(m),
+            _ => crate::model::default_model_path(),
+        };
         Ok(EngineConfig {
             listen: SocketAddr::new(ip, a.port),
             backend: a.backend,
@@ -168,6 +203,9 @@ impl EngineConfig {
             },
             enable_prefix_caching: !a.no_enable_prefix_caching,
             seed: a.seed,
+            model_path,
+            kv_cache_bytes: (a.kv_cache_space * (1u64 << 30) as f64) as usize,
+            threads,
         })
     }
 

@@ -7,10 +7,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::backend::cpu::{self, CpuBackend};
 use crate::backend::sim::SimBackend;
 use crate::backend::Backend;
 use crate::config::{BackendKind, EngineConfig};
 use crate::kv::BlockPool;
+use crate::model::llama::KvStore;
 use crate::scheduler::{Event, Scheduler};
 use crate::tokenizer::{SimTokenizer, Tokenizer};
 
@@ -40,15 +42,48 @@ impl EngineCore {
         EngineCore { scheduler, backend }
     }
 
-    /// Build the core and tokenizer a configuration asks for.
-    pub fn from_config(cfg: &EngineConfig) -> (Self, Arc<dyn Tokenizer>) {
-        let tokenizer: Arc<dyn Tokenizer> = Arc::new(SimTokenizer::new());
+    /// Build the core and tokenizer a configuration asks for, loading the model file for the
+    /// `cpu` backend. Returns the configuration completed with what the model decides (its
+    /// context length; the KV blocks that `--kv-cache-space` holds).
+    pub fn load(cfg: &EngineConfig) -> anyhow::Result<(EngineConfig, Self, Arc<dyn Tokenizer>)> {
+        let mut cfg = cfg.clone();
+        let (tokenizer, backend): (Arc<dyn Tokenizer>, Box<dyn Backend>) = match cfg.backend {
+            BackendKind::Sim => (Arc::new(SimTokenizer::new()), Box::new(SimBackend::new(cfg.sim_profile))),
+            BackendKind::Cpu => {
+                if !cfg.model_path.exists() && cfg.model_path == crate::model::default_model_path() {
+                    anyhow::bail!(
+                        "model file {} is missing: run `{}` to fetch it",
+                        cfg.model_path.display(),
+                        crate::model::FETCH_COMMAND
+                    );
+                }
+                let loaded = cpu::load(&cfg.model_path)?;
+                let mc = &loaded.model.cfg;
+                if cfg.scheduler.max_model_len == 0 {
+                    cfg.scheduler.max_model_len = mc.max_ctx;
+                }
+                if cfg.scheduler.max_model_len > mc.max_ctx {
+                    anyhow::bail!(
+                        "--max-model-len: {} exceeds the model's context length {}",
+                        cfg.scheduler.max_model_len,
+                        mc.max_ctx
+                    );
+                }
+                if cfg.num_blocks == 0 {
+                    let per_block = KvStore::bytes_per_token(mc) * cfg.block_size;
+                    cfg.num_blocks = cfg.kv_cache_bytes / per_block;
+                    if cfg.num_blocks == 0 {
+                        anyhow::bail!("--kv-cache-space: too small for one block of {per_block} bytes");
+                    }
+                }
+                let eos = loaded.tokenizer.eos_token_id();
+                let backend = CpuBackend::new(loaded.model, eos, cfg.num_blocks, cfg.block_size, cfg.threads)?;
+                (Arc::new(loaded.tokenizer), Box::new(backend))
+            }
+        };
         let pool = BlockPool::new(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching);
         let scheduler = Scheduler::new(cfg.scheduler, pool, tokenizer.clone());
-        let backend: Box<dyn Backend> = match cfg.backend {
-            BackendKind::Sim => Box::new(SimBackend::new(cfg.sim_profile)),
-        };
-        (EngineCore::new(scheduler, backend), tokenizer)
+        Ok((cfg, EngineCore::new(scheduler, backend), tokenizer))
     }
 
     /// Run one step; `None` when there is nothing to schedule.

@@ -38,13 +38,16 @@ pub struct Engine {
     pub state: Arc<server::AppState>,
     /// The engine thread; it exits once the router and state are dropped.
     pub thread: std::thread::JoinHandle<()>,
+    /// The configuration, completed by the model (cpu: context length, KV blocks).
+    pub config: EngineConfig,
 }
 
 /// Build the engine a configuration describes and start its thread.
 pub fn build(cfg: &EngineConfig) -> anyhow::Result<Engine> {
+    let (cfg, core, tokenizer) = core::EngineCore::load(cfg)?;
+    let cfg = &cfg;
     let registry = prometheus::Registry::new();
     let metrics = metrics::EngineMetrics::new(&registry, &cfg.served_model_name, cfg.block_size, cfg.num_blocks)?;
-    let (core, tokenizer) = core::EngineCore::from_config(cfg);
     let (handle, thread) = runtime::spawn(core, metrics);
     let limits = server::openai::Limits {
         max_model_len: cfg.scheduler.max_model_len,
@@ -53,7 +56,7 @@ pub fn build(cfg: &EngineConfig) -> anyhow::Result<Engine> {
     };
     let state =
         Arc::new(server::AppState::new(handle, tokenizer, cfg.served_model_name.clone(), limits, cfg.seed, registry));
-    Ok(Engine { router: server::router(state.clone()), state, thread })
+    Ok(Engine { router: server::router(state.clone()), state, thread, config: cfg.clone() })
 }
 
 /// Serve `engine` on `listener` until `shutdown` resolves (in-flight responses finish).

@@ -20,7 +20,14 @@ async fn main() -> anyhow::Result<()> {
     let listener =
         tokio::net::TcpListener::bind(cfg.listen).await.with_context(|| format!("binding {}", cfg.listen))?;
     let addr = listener.local_addr()?;
-    let engine = switchyard_engine::build(&cfg)?;
+    let engine = match switchyard_engine::build(&cfg) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("switchyard-engine: {e:#}");
+            std::process::exit(1);
+        }
+    };
+    let cfg = engine.config.clone();
     tracing::info!(
         %addr,
         model = %cfg.served_model_name,

@@ -29,6 +29,7 @@ pub struct EngineMetrics {
     waiting: IntGauge,
     gpu_cache_usage: Gauge,
     kv_cache_usage: Gauge,
+    kv_cache_waste: Gauge,
     prefix_queries: IntCounter,
     prefix_hits: IntCounter,
     preemptions: IntCounter,
@@ -68,6 +69,11 @@ impl EngineMetrics {
                 model,
             ))?,
             kv_cache_usage: Gauge::with_opts(opts("vllm:kv_cache_usage_perc", "KV cache usage, 0..1.", model))?,
+            kv_cache_waste: Gauge::with_opts(opts(
+                "switchyard:kv_cache_waste_perc",
+                "Allocated KV token slots of running requests holding no token, over slots in use, 0..1.",
+                model,
+            ))?,
             prefix_queries: IntCounter::with_opts(opts(
                 "vllm:prefix_cache_queries_total",
                 "Tokens looked up in the prefix cache.",
@@ -116,6 +122,7 @@ impl EngineMetrics {
         registry.register(Box::new(m.waiting.clone()))?;
         registry.register(Box::new(m.gpu_cache_usage.clone()))?;
         registry.register(Box::new(m.kv_cache_usage.clone()))?;
+        registry.register(Box::new(m.kv_cache_waste.clone()))?;
         registry.register(Box::new(m.prefix_queries.clone()))?;
         registry.register(Box::new(m.prefix_hits.clone()))?;
         registry.register(Box::new(m.preemptions.clone()))?;
@@ -132,7 +139,15 @@ impl EngineMetrics {
     }
 
     /// Publish the scheduler's gauges and the growth of its counters.
-    pub fn observe_scheduler(&mut self, running: usize, waiting: usize, kv_usage: f64, stats: SchedulerStats) {
+    pub fn observe_scheduler(
+        &mut self,
+        running: usize,
+        waiting: usize,
+        kv_usage: f64,
+        kv_waste: f64,
+        stats: SchedulerStats,
+    ) {
+        self.kv_cache_waste.set(kv_waste);
         self.running.set(running as i64);
         self.waiting.set(waiting as i64);
         self.gpu_cache_usage.set(kv_usage);

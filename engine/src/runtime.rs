@@ -177,5 +177,5 @@ fn deliver(ev: Event, now: Instant, sinks: &mut HashMap<RequestId, Sink>, metric
 
 fn publish(core: &EngineCore, metrics: &mut EngineMetrics) {
     let s = &core.scheduler;
-    metrics.observe_scheduler(s.num_running(), s.num_waiting(), s.pool().usage(), s.stats());
+    metrics.observe_scheduler(s.num_running(), s.num_waiting(), s.pool().usage(), s.kv_waste(), s.stats());
 }

@@ -26,6 +26,15 @@ pub trait Tokenizer: Send + Sync {
     fn decode(&self, ids: &[TokenId]) -> String;
     /// The end-of-sequence token.
     fn eos_token_id(&self) -> TokenId;
+    /// Render a conversation, with the generation prompt, as the model expects it (ChatML
+    /// unless the model brings its own template). An error names what the template rejected.
+    fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        Ok(render_chatml(messages))
+    }
+    /// Ids below this are valid inputs (`None`: any id is, as for the simulator).
+    fn vocab_size(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// One chat message with its content flattened to text.

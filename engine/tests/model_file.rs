@@ -97,3 +97,23 @@ fn truncated_and_corrupt_copies_are_clear_errors() {
     std::fs::remove_file(cut).unwrap();
     std::fs::remove_file(corrupt).unwrap();
 }
+
+#[test]
+fn tokenizer_and_chat_template_come_from_the_file() {
+    use switchyard_engine::model::tokenizer::ModelTokenizer;
+    use switchyard_engine::tokenizer::{ChatMessage, Tokenizer};
+    let f = model();
+    let t = ModelTokenizer::from_gguf(&f.header).unwrap();
+    assert_eq!(t.eos_token_id(), 2);
+    // Special tokens are single ids; digits are split one by one (the `smollm` pre-tokenizer).
+    assert_eq!(t.encode("<|im_start|>"), vec![1]);
+    let ids = t.encode("Hello world 2024!");
+    let pieces: Vec<String> = ids.iter().map(|&i| t.decode(&[i])).collect();
+    assert_eq!(pieces.concat(), "Hello world 2024!");
+    assert!(pieces.ends_with(&["2".into(), "0".into(), "2".into(), "4".into(), "!".into()]), "{pieces:?}");
+    assert_eq!(t.decode(&t.encode("naïve café — ✓")), "naïve café — ✓");
+
+    let text = t.render_chat(&[ChatMessage { role: "user".into(), content: "Hi".into() }]).unwrap();
+    assert!(text.starts_with("<|im_start|>system\n"), "the template adds its default system message: {text:?}");
+    assert!(text.ends_with("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"), "{text:?}");
+}

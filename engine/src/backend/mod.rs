@@ -7,6 +7,7 @@
 //! long the step would have taken on its hardware; the runtime then waits until that
 //! much time has passed since the step began.
 
+pub mod cpu;
 pub mod sim;
 
 use std::time::Duration;

@@ -344,7 +344,7 @@ fn bad(key: &str, reason: &str) -> GgufError {
 pub struct GgufFile {
     /// The parsed header.
     pub header: Header,
-    map: memmap2::Mmap,
+    map: std::sync::Arc<memmap2::Mmap>,
 }
 
 impl fmt::Debug for GgufFile {
@@ -364,7 +364,12 @@ impl GgufFile {
         #[allow(unsafe_code)]
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
         let header = parse(&map)?;
-        Ok(Self { header, map })
+        Ok(Self { header, map: std::sync::Arc::new(map) })
+    }
+
+    /// The whole mapped file, shareable with the weights that point into it.
+    pub fn map(&self) -> std::sync::Arc<memmap2::Mmap> {
+        self.map.clone()
     }
 
     /// The bytes of a tensor (bounds were checked by [`parse`]).

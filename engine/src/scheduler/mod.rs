@@ -203,6 +203,25 @@ impl Scheduler {
         &self.pool
     }
 
+    /// KV waste: token slots allocated to running requests but not (yet) holding a computed
+    /// token, over all slots of blocks in use (0..1). Only a request's last, partly filled
+    /// block wastes slots; shared prefix blocks are full. PagedAttention's claim is that this
+    /// stays near zero (vs 60–80% for contiguous pre-allocation).
+    pub fn kv_waste(&self) -> f64 {
+        let bs = self.pool.block_size();
+        let in_use = (self.pool.num_blocks() - self.pool.num_free_blocks()) * bs;
+        if in_use == 0 {
+            return 0.0;
+        }
+        let unused: usize = self
+            .running
+            .iter()
+            .filter_map(|id| self.requests.get(id))
+            .map(|r| (r.block_table.len() * bs).saturating_sub(r.num_computed_tokens))
+            .sum();
+        unused as f64 / in_use as f64
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> SchedulerStats {
         self.stats

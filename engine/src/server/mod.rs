@@ -31,7 +31,7 @@ use crate::backend::sim::splitmix64;
 use crate::error::ApiError;
 use crate::runtime::{EngineHandle, RequestStream};
 use crate::scheduler::{Event, SamplingParams};
-use crate::tokenizer::{render_chatml, TokenId, Tokenizer};
+use crate::tokenizer::{TokenId, Tokenizer};
 use openai::{Limits, PromptInput};
 use sse::{Endpoint, ResponseMeta, Usage};
 
@@ -154,7 +154,17 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         st.check_model(&common.model)?;
         let prompt = match openai::completion_prompt(req.prompt)? {
             PromptInput::Text(t) => st.tokenizer.encode(&t),
-            PromptInput::Tokens(t) => t,
+            PromptInput::Tokens(t) => {
+                if let Some(v) = st.tokenizer.vocab_size() {
+                    if let Some(bad) = t.iter().find(|&&id| id as usize >= v) {
+                        return Err(ApiError::invalid(
+                            "prompt",
+                            format!("token id {bad} is outside the vocabulary of {v} tokens"),
+                        ));
+                    }
+                }
+                t
+            }
         };
         st.prepare(&common, prompt, "prompt", id)
     })();
@@ -168,7 +178,8 @@ async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Respo
         let (req, common): (openai::ChatRequest, _) = openai::parse_body(&body)?;
         st.check_model(&common.model)?;
         let messages = openai::chat_messages(req.messages)?;
-        let prompt = st.tokenizer.encode(&render_chatml(&messages));
+        let text = st.tokenizer.render_chat(&messages).map_err(|e| ApiError::invalid("messages", e))?;
+        let prompt = st.tokenizer.encode(&text);
         st.prepare(&common, prompt, "messages", id)
     })();
     execute(st, prepared, Endpoint::Chat, format!("chatcmpl-{id:016x}"), id, arrival).await

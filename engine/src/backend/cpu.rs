@@ -1,0 +1,244 @@
+//! The `cpu` backend: a real Llama model computed on the host CPU.
+//!
+//! Each step hands every scheduled sequence (prefill chunks and decodes) to
+//! [`Llama::forward`] as one batch on the backend's own rayon pool, then samples one token
+//! for each sequence whose step reached the end of its known tokens. K/V live in a
+//! [`KvStore`] indexed by the block pool's block ids, so the scheduler's prefix cache and
+//! preemption apply to real tensors unchanged.
+//!
+//! Sampling ([`sample`]) is pure: greedy at temperature 0, otherwise temperature → top-k →
+//! top-p over a softmax, drawn from an RNG seeded by the request's seed and the index of the
+//! token being generated — the same request with the same seed gives the same text whatever
+//! else shares its batches.
+
+use std::path::Path;
+
+use rand::{Rng, SeedableRng};
+
+use super::{Backend, StepOutput};
+use crate::model::gguf::GgufFile;
+use crate::model::llama::{KvStore, Llama, ModelError, SeqInput};
+use crate::model::tokenizer::{ModelTokenizer, TokenizerError};
+use crate::scheduler::{SamplingParams, SeqView};
+use crate::tokenizer::TokenId;
+
+/// Why the model cannot be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The weights.
+    #[error("{path}: {source}")]
+    Model {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        source: ModelError,
+    },
+    /// The tokenizer.
+    #[error("{path}: {source}")]
+    Tokenizer {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        source: TokenizerError,
+    },
+    /// An HF checkpoint directory.
+    #[error("{path}: {source}")]
+    Hf {
+        /// The directory.
+        path: String,
+        /// What is wrong.
+        source: crate::model::hf::HfError,
+    },
+    /// The thread pool.
+    #[error("thread pool: {0}")]
+    Threads(String),
+}
+
+/// A model file loaded: weights and tokenizer.
+#[derive(Debug)]
+pub struct LoadedModel {
+    /// Weights.
+    pub model: Llama,
+    /// Tokenizer and chat template.
+    pub tokenizer: ModelTokenizer,
+}
+
+/// Load a model: a GGUF file, or an HF checkpoint directory.
+pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
+    let p = path.display().to_string();
+    if path.is_dir() {
+        let (model, tokenizer) = crate::model::hf::load(path).map_err(|source| LoadError::Hf { path: p, source })?;
+        return Ok(LoadedModel { model, tokenizer });
+    }
+    let file = GgufFile::open(path).map_err(|e| LoadError::Model { path: p.clone(), source: e.into() })?;
+    let model = Llama::from_gguf(&file).map_err(|source| LoadError::Model { path: p.clone(), source })?;
+    let tokenizer =
+        ModelTokenizer::from_gguf(&file.header).map_err(|source| LoadError::Tokenizer { path: p, source })?;
+    Ok(LoadedModel { model, tokenizer })
+}
+
+/// The cpu executor.
+pub struct CpuBackend {
+    model: Llama,
+    kv: KvStore,
+    pool: rayon::ThreadPool,
+    eos: TokenId,
+}
+
+impl CpuBackend {
+    /// A backend over `model` with K/V room for `num_blocks` blocks of `block_size` tokens,
+    /// computing on `threads` threads.
+    pub fn new(
+        model: Llama,
+        eos: TokenId,
+        num_blocks: usize,
+        block_size: usize,
+        threads: usize,
+    ) -> Result<Self, LoadError> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("cpu-backend-{i}"))
+            .build()
+            .map_err(|e| LoadError::Threads(e.to_string()))?;
+        let kv = KvStore::new(&model.cfg, num_blocks, block_size);
+        Ok(Self { model, kv, pool, eos })
+    }
+}
+
+impl Backend for CpuBackend {
+    fn execute(&mut self, batch: &[SeqView<'_>]) -> StepOutput {
+        let inputs: Vec<SeqInput<'_>> = batch
+            .iter()
+            .map(|s| SeqInput {
+                tokens: &s.tokens[s.sched.start..s.sched.start + s.sched.len],
+                start: s.sched.start,
+                block_table: s.block_table,
+                logits: s.sched.sample,
+            })
+            .collect();
+        let (model, kv) = (&self.model, &mut self.kv);
+        let result = self.pool.install(|| model.forward(kv, &inputs));
+        let sampling = batch.iter().filter(|s| s.sched.sample);
+        let sampled = match result {
+            Ok(logits) => sampling
+                .zip(logits)
+                .map(|(s, mut l)| {
+                    if !s.eos_allowed {
+                        l[self.eos as usize] = f32::NEG_INFINITY;
+                    }
+                    (s.sched.id, sample(&mut l, s.params, s.num_output_tokens))
+                })
+                .collect(),
+            // The server validates token ids and the scheduler sizes block tables, so this is
+            // a bug; end the affected requests rather than the engine.
+            Err(e) => {
+                tracing::error!(error = %e, "cpu backend step failed; ending its requests");
+                sampling.map(|s| (s.sched.id, self.eos)).collect()
+            }
+        };
+        StepOutput { sampled, model_time: None }
+    }
+}
+
+/// Pick the next token from `logits` (modified in place) under `p`; `index` is how many
+/// tokens the request has generated so far (it seeds the draw).
+pub fn sample(logits: &mut [f32], p: &SamplingParams, index: usize) -> TokenId {
+    if p.temperature <= 0.0 || p.top_k == 1 {
+        return argmax(logits);
+    }
+    let inv_t = 1.0 / p.temperature;
+    let mut cand: Vec<(TokenId, f32)> =
+        logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (i as TokenId, l * inv_t)).collect();
+    if cand.is_empty() {
+        return argmax(logits);
+    }
+    // Highest first; ties by lower id (deterministic).
+    cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if p.top_k > 0 {
+        cand.truncate(p.top_k as usize);
+    }
+    let max = cand[0].1;
+    let mut total = 0.0f64;
+    for c in cand.iter_mut() {
+        c.1 = (c.1 - max).exp();
+        total += f64::from(c.1);
+    }
+    if p.top_p < 1.0 {
+        let mut acc = 0.0f64;
+        let keep = cand
+            .iter()
+            .position(|c| {
+                acc += f64::from(c.1) / total;
+                acc >= f64::from(p.top_p)
+            })
+            .map_or(cand.len(), |i| i + 1);
+        cand.truncate(keep);
+        total = cand.iter().map(|c| f64::from(c.1)).sum();
+    }
+    let seed = p.seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut u = rng.random::<f64>() * total;
+    for c in &cand {
+        u -= f64::from(c.1);
+        if u <= 0.0 {
+            return c.0;
+        }
+    }
+    cand[cand.len() - 1].0
+}
+
+/// Index of the largest logit (lowest index among ties).
+pub fn argmax(logits: &[f32]) -> TokenId {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as TokenId
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32, top_k: i32, top_p: f32, seed: u64) -> SamplingParams {
+        SamplingParams { temperature, top_k, top_p, seed, ..SamplingParams::default() }
+    }
+
+    #[test]
+    fn greedy_takes_the_first_maximum() {
+        let mut l = vec![0.1, 3.0, -1.0, 3.0];
+        assert_eq!(sample(&mut l, &params(0.0, 0, 1.0, 0), 0), 1);
+        let mut l = vec![0.1, 3.0, -1.0, 3.0];
+        assert_eq!(sample(&mut l, &params(0.7, 1, 1.0, 0), 0), 1, "top_k 1 is greedy");
+    }
+
+    #[test]
+    fn the_same_seed_and_index_give_the_same_token() {
+        let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
+        let draw = |seed, index| sample(&mut logits.clone(), &params(1.0, 0, 1.0, seed), index);
+        for index in 0..20 {
+            assert_eq!(draw(42, index), draw(42, index));
+        }
+        let a: Vec<_> = (0..20).map(|i| draw(42, i)).collect();
+        let b: Vec<_> = (0..20).map(|i| draw(43, i)).collect();
+        assert_ne!(a, b, "different seeds differ somewhere in 20 draws");
+    }
+
+    #[test]
+    fn top_k_and_top_p_cut_the_tail() {
+        let logits = vec![5.0, 4.9, 0.0, -1.0, -2.0];
+        for seed in 0..200 {
+            let t = sample(&mut logits.clone(), &params(1.0, 2, 1.0, seed), 0);
+            assert!(t <= 1, "top_k 2 keeps ids 0 and 1, drew {t}");
+            let t = sample(&mut logits.clone(), &params(1.0, 0, 0.5, seed), 0);
+            assert_eq!(t, 0, "top_p 0.5 keeps only the most likely token");
+        }
+        // Disallowed tokens (−∞) are never drawn.
+        let mut l = vec![f32::NEG_INFINITY, 0.0, 0.0];
+        for seed in 0..50 {
+            assert_ne!(sample(&mut l, &params(1.5, 0, 1.0, seed), 3), 0);
+        }
+    }
+}

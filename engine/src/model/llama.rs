@@ -1,0 +1,541 @@
+//! The Llama forward pass over a batch of sequences, with K/V read and written through
+//! block tables of the engine's shared block pool.
+//!
+//! One call computes every scheduled sequence of a step — prefill chunks and single decode
+//! tokens alike — as one batch of `T` token rows: each weight matrix is read once per step
+//! for all `T` rows. Per layer:
+//!
+//! ```text
+//! h = x + Wo · attn(rope(Wq·n), rope(Wk·n), Wv·n)      n = rmsnorm(x)·attn_norm
+//! x = h + Wdown · (silu(Wgate·m) ⊙ Wup·m)               m = rmsnorm(h)·ffn_norm
+//! ```
+//!
+//! Attention is grouped-query (`n_heads / n_kv_heads` query heads share a K/V head). The K/V
+//! of token position `p` of a sequence lives in slot `p % block_size` of block
+//! `block_table[p / block_size]` of [`KvStore`]; a step first writes its new tokens' K/V,
+//! then each token attends to positions `0..=p` through the table. Blocks shared through the
+//! prefix cache are simply read by several sequences.
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use super::gguf::{GgmlType, GgufError, GgufFile};
+use super::quant::{dequantize_row, quantize_q8, Q8Block, QuantError};
+use super::simd::{dot_row, Kernel};
+use crate::kv::BlockId;
+use crate::tokenizer::TokenId;
+
+/// How rotary embeddings pair the dimensions of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Pairs `(2i, 2i+1)` — GGUF llama files (the converter permuted Q/K rows for it).
+    Interleaved,
+    /// Pairs `(i, i + d/2)` — HF checkpoints.
+    NeoX,
+}
+
+/// Shape and constants of a Llama model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Hidden size.
+    pub dim: usize,
+    /// MLP inner size.
+    pub ffn_dim: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// K/V heads.
+    pub n_kv_heads: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Longest context.
+    pub max_ctx: usize,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// RoPE pairing.
+    pub rope: RopeStyle,
+}
+
+impl LlamaConfig {
+    /// Dimensions per head.
+    pub fn head_dim(&self) -> usize {
+        self.dim / self.n_heads
+    }
+
+    /// Floats of K (or of V) per token per layer.
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim()
+    }
+}
+
+/// Why a model cannot be loaded or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The file is unreadable or malformed.
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    /// A tensor is missing or has the wrong shape.
+    #[error("tensor `{name}`: {reason}")]
+    Tensor {
+        /// The tensor.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A hyperparameter is missing or unusable.
+    #[error("model config `{key}`: {reason}")]
+    Config {
+        /// The key.
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A kernel rejected a weight.
+    #[error(transparent)]
+    Quant(#[from] QuantError),
+}
+
+/// Raw bytes of a weight: a range of a shared buffer (a mapped file or an owned vector).
+#[derive(Clone)]
+pub struct Matrix {
+    buf: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    start: usize,
+    /// Element type.
+    pub ty: GgmlType,
+    /// Output rows.
+    pub rows: usize,
+    /// Weights per row.
+    pub cols: usize,
+}
+
+impl std::fmt::Debug for Matrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Matrix({} × {} {})", self.rows, self.cols, self.ty)
+    }
+}
+
+impl Matrix {
+    /// A matrix over `buf[start..]`; `buf` must hold `rows` rows of `cols` weights of `ty`.
+    pub fn new(
+        buf: Arc<dyn AsRef<[u8]> + Send + Sync>,
+        start: usize,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, QuantError> {
+        let need = ty.bytes_for(cols) * rows;
+        let have = (*buf).as_ref().len().saturating_sub(start);
+        if !cols.is_multiple_of(ty.block_len()) || need > have {
+            return Err(QuantError::Shape { ty, row: cols, bytes: have, n: need });
+        }
+        Ok(Self { buf, start, ty, rows, cols })
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.ty.bytes_for(self.cols)
+    }
+
+    /// The bytes of row `r`.
+    pub fn row(&self, r: usize) -> &[u8] {
+        let n = self.row_bytes();
+        let all: &[u8] = (*self.buf).as_ref();
+        &all[self.start + r * n..self.start + (r + 1) * n]
+    }
+
+    /// Row `r` as f32.
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) -> Result<(), QuantError> {
+        dequantize_row(self.ty, self.row(r), out)
+    }
+}
+
+/// Weights of one transformer block.
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    /// RMSNorm weight before attention.
+    pub attn_norm: Vec<f32>,
+    /// Query projection (`dim × dim`).
+    pub wq: Matrix,
+    /// Key projection (`kv_dim × dim`).
+    pub wk: Matrix,
+    /// Value projection (`kv_dim × dim`).
+    pub wv: Matrix,
+    /// Output projection (`dim × dim`).
+    pub wo: Matrix,
+    /// RMSNorm weight before the MLP.
+    pub ffn_norm: Vec<f32>,
+    /// Gate projection (`ffn × dim`).
+    pub w_gate: Matrix,
+    /// Up projection (`ffn × dim`).
+    pub w_up: Matrix,
+    /// Down projection (`dim × ffn`).
+    pub w_down: Matrix,
+}
+
+/// A loaded Llama model.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    /// Shape.
+    pub cfg: LlamaConfig,
+    /// Token embeddings (`vocab × dim`).
+    pub embed: Matrix,
+    /// Blocks.
+    pub layers: Vec<LayerWeights>,
+    /// Final RMSNorm weight.
+    pub norm: Vec<f32>,
+    /// LM head (`vocab × dim`); the embedding when tied.
+    pub lm_head: Matrix,
+    inv_freq: Vec<f32>,
+}
+
+/// K/V storage of every block of the pool, per layer: `[block][slot][kv_head][head_dim]`.
+#[derive(Debug)]
+pub struct KvStore {
+    block_size: usize,
+    kv_dim: usize,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+}
+
+impl KvStore {
+    /// Storage for `num_blocks` blocks of `block_size` tokens of a model shaped like `cfg`.
+    pub fn new(cfg: &LlamaConfig, num_blocks: usize, block_size: usize) -> Self {
+        let per_layer = num_blocks * block_size * cfg.kv_dim();
+        Self {
+            block_size,
+            kv_dim: cfg.kv_dim(),
+            k: (0..cfg.n_layers).map(|_| vec![0.0; per_layer]).collect(),
+            v: (0..cfg.n_layers).map(|_| vec![0.0; per_layer]).collect(),
+        }
+    }
+
+    /// Bytes one token takes across all layers.
+    pub fn bytes_per_token(cfg: &LlamaConfig) -> usize {
+        2 * cfg.n_layers * cfg.kv_dim() * std::mem::size_of::<f32>()
+    }
+
+    /// Offset of position `pos` of a sequence with `table`.
+    fn slot(&self, table: &[BlockId], pos: usize) -> usize {
+        (table[pos / self.block_size] as usize * self.block_size + pos % self.block_size) * self.kv_dim
+    }
+}
+
+/// One sequence of a batch.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqInput<'a> {
+    /// The tokens to compute this step.
+    pub tokens: &'a [TokenId],
+    /// Position of `tokens[0]` (tokens before it are already in the cache).
+    pub start: usize,
+    /// Block table covering `start + tokens.len()` positions.
+    pub block_table: &'a [BlockId],
+    /// Whether to return logits for the last token.
+    pub logits: bool,
+}
+
+fn cfg_err(key: &str, reason: impl Into<String>) -> ModelError {
+    ModelError::Config { key: key.to_string(), reason: reason.into() }
+}
+
+impl Llama {
+    /// Load a GGUF llama model.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
+        let h = &file.header;
+        let arch = h.str("general.architecture")?;
+        if arch != "llama" {
+            return Err(cfg_err("general.architecture", format!("{arch} (only llama is supported)")));
+        }
+        let count = |key: &str| -> Result<usize, ModelError> {
+            let v = h.u64(&format!("llama.{key}"))?;
+            usize::try_from(v)
+                .ok()
+                .filter(|&v| v > 0)
+                .ok_or_else(|| cfg_err(key, format!("{v} is not a positive count")))
+        };
+        let dim = count("embedding_length")?;
+        let n_heads = count("attention.head_count")?;
+        let n_kv_heads = count("attention.head_count_kv").unwrap_or(n_heads);
+        if !dim.is_multiple_of(n_heads) || !n_heads.is_multiple_of(n_kv_heads) {
+            return Err(cfg_err("attention.head_count", format!("{dim} dims, {n_heads} heads, {n_kv_heads} kv heads")));
+        }
+        let map = file.map();
+        let buf: Arc<dyn AsRef<[u8]> + Send + Sync> = map;
+        let embed_info =
+            h.tensor("token_embd.weight").ok_or_else(|| tensor_err("token_embd.weight", "missing"))?.clone();
+        let vocab = embed_info.rows();
+        let cfg = LlamaConfig {
+            n_layers: count("block_count")?,
+            dim,
+            ffn_dim: count("feed_forward_length")?,
+            n_heads,
+            n_kv_heads,
+            vocab,
+            max_ctx: count("context_length")?,
+            rope_theta: h.f64("llama.rope.freq_base").unwrap_or(10000.0) as f32,
+            eps: h.f64("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f32,
+            rope: RopeStyle::Interleaved,
+        };
+        let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix, ModelError> {
+            let t = h.tensor(name).ok_or_else(|| tensor_err(name, "missing"))?;
+            if t.dims.len() != 2 || t.row_len() != cols || t.rows() != rows {
+                return Err(tensor_err(name, format!("shape {:?}, expected [{cols}, {rows}]", t.dims)));
+            }
+            Ok(Matrix::new(buf.clone(), t.start, t.ty, rows, cols)?)
+        };
+        let vector = |name: &str, n: usize| -> Result<Vec<f32>, ModelError> {
+            let t = h.tensor(name).ok_or_else(|| tensor_err(name, "missing"))?;
+            if t.elements() != n {
+                return Err(tensor_err(name, format!("{} elements, expected {n}", t.elements())));
+            }
+            let mut out = vec![0.0; n];
+            dequantize_row(t.ty, file.data(t), &mut out)?;
+            Ok(out)
+        };
+        let kv = cfg.kv_dim();
+        let layers = (0..cfg.n_layers)
+            .map(|i| {
+                let p = |s: &str| format!("blk.{i}.{s}.weight");
+                Ok(LayerWeights {
+                    attn_norm: vector(&p("attn_norm"), dim)?,
+                    wq: matrix(&p("attn_q"), dim, dim)?,
+                    wk: matrix(&p("attn_k"), kv, dim)?,
+                    wv: matrix(&p("attn_v"), kv, dim)?,
+                    wo: matrix(&p("attn_output"), dim, dim)?,
+                    ffn_norm: vector(&p("ffn_norm"), dim)?,
+                    w_gate: matrix(&p("ffn_gate"), cfg.ffn_dim, dim)?,
+                    w_up: matrix(&p("ffn_up"), cfg.ffn_dim, dim)?,
+                    w_down: matrix(&p("ffn_down"), dim, cfg.ffn_dim)?,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let embed = matrix("token_embd.weight", vocab, dim)?;
+        let lm_head =
+            if h.tensor("output.weight").is_some() { matrix("output.weight", vocab, dim)? } else { embed.clone() };
+        let norm = vector("output_norm.weight", dim)?;
+        Ok(Self::assemble(cfg, embed, layers, norm, lm_head))
+    }
+
+    /// Put a model together from its parts (loaders and tests).
+    pub fn assemble(
+        cfg: LlamaConfig,
+        embed: Matrix,
+        layers: Vec<LayerWeights>,
+        norm: Vec<f32>,
+        lm_head: Matrix,
+    ) -> Self {
+        let hd = cfg.head_dim();
+        let inv_freq = (0..hd / 2).map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / hd as f32)).collect();
+        Self { cfg, embed, layers, norm, lm_head, inv_freq }
+    }
+
+    /// Run one step over `seqs`, updating `kv`. Returns the logits (`vocab` floats) of the
+    /// last token of every sequence that asked for them, in order.
+    pub fn forward(&self, kv: &mut KvStore, seqs: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        let c = &self.cfg;
+        let (dim, kvd, hd) = (c.dim, c.kv_dim(), c.head_dim());
+        // Row r of the batch: (sequence index, position).
+        let rows: Vec<(usize, usize)> =
+            seqs.iter().enumerate().flat_map(|(s, q)| (0..q.tokens.len()).map(move |i| (s, q.start + i))).collect();
+        let t = rows.len();
+        for (s, q) in seqs.iter().enumerate() {
+            let need = (q.start + q.tokens.len()).div_ceil(kv.block_size);
+            if q.block_table.len() < need {
+                return Err(cfg_err(
+                    "block_table",
+                    format!("sequence {s} needs {need} blocks, has {}", q.block_table.len()),
+                ));
+            }
+        }
+        let mut x = vec![0f32; t * dim];
+        for (row, &tok) in x.chunks_exact_mut(dim).zip(seqs.iter().flat_map(|q| q.tokens)) {
+            if tok as usize >= c.vocab {
+                return Err(cfg_err("token", format!("id {tok} is outside the vocabulary of {}", c.vocab)));
+            }
+            self.embed.row_f32(tok as usize, row)?;
+        }
+        let mut scratch = Scratch::default();
+        let mut n = vec![0f32; t * dim];
+        let (mut q, mut k, mut v) = (vec![0f32; t * dim], vec![0f32; t * kvd], vec![0f32; t * kvd]);
+        let mut att = vec![0f32; t * dim];
+        let mut o = vec![0f32; t * dim];
+        let (mut g, mut u) = (vec![0f32; t * c.ffn_dim], vec![0f32; t * c.ffn_dim]);
+        for (li, l) in self.layers.iter().enumerate() {
+            rmsnorm(&x, &l.attn_norm, c.eps, &mut n);
+            matmul(&l.wq, &n, &mut q, &mut scratch)?;
+            matmul(&l.wk, &n, &mut k, &mut scratch)?;
+            matmul(&l.wv, &n, &mut v, &mut scratch)?;
+            for (r, &(_, pos)) in rows.iter().enumerate() {
+                self.rope(&mut q[r * dim..(r + 1) * dim], pos);
+                self.rope(&mut k[r * kvd..(r + 1) * kvd], pos);
+            }
+            // Write this step's K/V first: a token attends to itself and to the earlier
+            // tokens of its own chunk.
+            for (r, &(s, pos)) in rows.iter().enumerate() {
+                let at = kv.slot(seqs[s].block_table, pos);
+                kv.k[li][at..at + kvd].copy_from_slice(&k[r * kvd..(r + 1) * kvd]);
+                kv.v[li][at..at + kvd].copy_from_slice(&v[r * kvd..(r + 1) * kvd]);
+            }
+            let (kc, vc) = (&kv.k[li], &kv.v[li]);
+            let kvs: &KvStore = kv;
+            att.par_chunks_mut(dim).zip(q.par_chunks(dim)).zip(rows.par_iter()).for_each(|((out, qr), &(s, pos))| {
+                attend(c, hd, qr, out, pos, |p| kvs.slot(seqs[s].block_table, p), kc, vc);
+            });
+            matmul(&l.wo, &att, &mut o, &mut scratch)?;
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+
+            rmsnorm(&x, &l.ffn_norm, c.eps, &mut n);
+            matmul(&l.w_gate, &n, &mut g, &mut scratch)?;
+            matmul(&l.w_up, &n, &mut u, &mut scratch)?;
+            g.iter_mut().zip(&u).for_each(|(a, b)| *a = *a / (1.0 + (-*a).exp()) * b);
+            matmul(&l.w_down, &g, &mut o, &mut scratch)?;
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        }
+        // Logits only for the last token of the sequences that sample.
+        let mut last = Vec::new();
+        let mut end = 0;
+        for q in seqs {
+            end += q.tokens.len();
+            if q.logits && !q.tokens.is_empty() {
+                last.extend_from_slice(&x[(end - 1) * dim..end * dim]);
+            }
+        }
+        let m = last.len() / dim;
+        let mut normed = vec![0f32; last.len()];
+        rmsnorm(&last, &self.norm, c.eps, &mut normed);
+        let mut logits = vec![0f32; m * c.vocab];
+        matmul(&self.lm_head, &normed, &mut logits, &mut scratch)?;
+        Ok(logits.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    fn rope(&self, v: &mut [f32], pos: usize) {
+        let hd = self.cfg.head_dim();
+        for head in v.chunks_exact_mut(hd) {
+            for (i, &f) in self.inv_freq.iter().enumerate() {
+                let (sin, cos) = (pos as f32 * f).sin_cos();
+                let (a, b) = match self.cfg.rope {
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    RopeStyle::NeoX => (i, i + hd / 2),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * cos - x1 * sin;
+                head[b] = x0 * sin + x1 * cos;
+            }
+        }
+    }
+}
+
+fn tensor_err(name: &str, reason: impl Into<String>) -> ModelError {
+    ModelError::Tensor { name: name.to_string(), reason: reason.into() }
+}
+
+/// Attention of one query row at position `pos` over positions `0..=pos`.
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    c: &LlamaConfig,
+    hd: usize,
+    q: &[f32],
+    out: &mut [f32],
+    pos: usize,
+    slot: impl Fn(usize) -> usize,
+    kc: &[f32],
+    vc: &[f32],
+) {
+    let group = c.n_heads / c.n_kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut scores = vec![0f32; pos + 1];
+    let slots: Vec<usize> = (0..=pos).map(slot).collect();
+    for h in 0..c.n_heads {
+        let kvh = h / group;
+        let qh = &q[h * hd..(h + 1) * hd];
+        let mut max = f32::NEG_INFINITY;
+        for (s, &at) in scores.iter_mut().zip(&slots) {
+            let kr = &kc[at + kvh * hd..at + (kvh + 1) * hd];
+            *s = qh.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale;
+            max = max.max(*s);
+        }
+        let mut sum = 0.0;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let oh = &mut out[h * hd..(h + 1) * hd];
+        oh.fill(0.0);
+        for (s, &at) in scores.iter().zip(&slots) {
+            let w = s / sum;
+            let vr = &vc[at + kvh * hd..at + (kvh + 1) * hd];
+            oh.iter_mut().zip(vr).for_each(|(o, v)| *o += w * v);
+        }
+    }
+}
+
+/// `out[t] = x[t] / rms(x[t]) · w` for every row `t`.
+pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        or.iter_mut().zip(xr.iter().zip(w)).for_each(|(o, (a, b))| *o = a * inv * b);
+    }
+}
+
+/// Reusable buffers of [`matmul`].
+struct Scratch {
+    kernel: Kernel,
+    xq: Vec<Q8Block>,
+    yt: Vec<f32>,
+}
+
+impl Default for Scratch {
+    fn default() -> Self {
+        Self { kernel: Kernel::detect(), xq: Vec::new(), yt: Vec::new() }
+    }
+}
+
+/// `y[t] = W · x[t]` for every row `t` of `x` (`x`: `T × cols`, `y`: `T × rows`), split over
+/// the rayon pool by output rows.
+fn matmul(w: &Matrix, x: &[f32], y: &mut [f32], scratch: &mut Scratch) -> Result<(), ModelError> {
+    let t = x.len() / w.cols;
+    debug_assert_eq!(y.len(), t * w.rows);
+    if t == 0 {
+        return Ok(());
+    }
+    // Quantize every activation row once (quantized weights meet Q8 activations).
+    let blocks = w.cols / super::quant::QK;
+    scratch.xq.clear();
+    if w.ty.block_len() == super::quant::QK {
+        let mut row = Vec::with_capacity(blocks);
+        for xr in x.chunks_exact(w.cols) {
+            quantize_q8(xr, &mut row);
+            scratch.xq.extend_from_slice(&row);
+        }
+    }
+    let xq: &[Q8Block] = &scratch.xq;
+    let kernel = scratch.kernel;
+    // Output transposed (`rows × T`) so each task owns a contiguous strip.
+    scratch.yt.resize(w.rows * t, 0.0);
+    const ROWS_PER_TASK: usize = 16;
+    scratch.yt.par_chunks_mut(ROWS_PER_TASK * t).enumerate().try_for_each(|(chunk, out)| {
+        for (i, yr) in out.chunks_exact_mut(t).enumerate() {
+            let r = chunk * ROWS_PER_TASK + i;
+            let wr = w.row(r);
+            for (tt, y) in yr.iter_mut().enumerate() {
+                let xr = &x[tt * w.cols..(tt + 1) * w.cols];
+                let xqr = if xq.is_empty() { &[][..] } else { &xq[tt * blocks..(tt + 1) * blocks] };
+                *y = dot_row(kernel, w.ty, wr, xr, xqr)?;
+            }
+        }
+        Ok::<_, QuantError>(())
+    })?;
+    for r in 0..w.rows {
+        for tt in 0..t {
+            y[tt * w.rows + r] = scratch.yt[r * t + tt];
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,277 @@
+//! x86-64 AVX2 + FMA dot-product kernels, chosen at run time, with the portable kernels of
+//! [`super::quant`] as the fallback and the reference they are tested against.
+//!
+//! Integer blocks follow llama.cpp's scheme: 32 weights meet 32 i8 activations in
+//! `maddubs` (u8 × i8 → i16 pairs) and `madd` (i16 pairs → i32), then one float FMA per
+//! block applies both scales. Signed weights (Q4_0 after −8, Q8_0) use the sign trick:
+//! `|w| × (a · sign(w))`, since `maddubs` needs an unsigned operand.
+#![allow(unsafe_code)]
+
+use super::gguf::GgmlType;
+use super::quant::{self, Q8Block, QuantError, QK};
+
+/// Which kernels this CPU runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// Plain Rust (any CPU).
+    Portable,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+}
+
+impl Kernel {
+    /// The best kernel the running CPU supports.
+    pub fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+                return Kernel::Avx2;
+            }
+        }
+        Kernel::Portable
+    }
+}
+
+/// [`quant::dot_row`] with the kernel `k`.
+#[inline]
+pub fn dot_row(k: Kernel, ty: GgmlType, row: &[u8], x: &[f32], xq: &[Q8Block]) -> Result<f32, QuantError> {
+    #[cfg(target_arch = "x86_64")]
+    if k == Kernel::Avx2 {
+        quant::check_shape(ty, row, x.len())?;
+        if ty.block_len() == QK && xq.len() * QK != x.len() {
+            return Err(QuantError::Shape { ty, row: x.len(), bytes: row.len(), n: xq.len() * QK });
+        }
+        // SAFETY: `Kernel::Avx2` is only produced by `detect` after checking AVX2, FMA and
+        // F16C at run time; the lengths of `row`, `x` and `xq` were checked just above and
+        // every kernel reads exactly those extents.
+        return unsafe {
+            match ty {
+                GgmlType::Q4_1 => Ok(avx2::q4_1(row, xq)),
+                GgmlType::Q4_0 => Ok(avx2::q4_0(row, xq)),
+                GgmlType::Q8_0 => Ok(avx2::q8_0(row, xq)),
+                GgmlType::F32 => Ok(avx2::f32(row, x)),
+                GgmlType::F16 => Ok(avx2::f16(row, x)),
+                GgmlType::BF16 => Ok(avx2::bf16(row, x)),
+                _ => quant::dot_row(ty, row, x, xq),
+            }
+        };
+    }
+    let _ = k;
+    quant::dot_row(ty, row, x, xq)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::super::quant::{f16_to_f32, Q8Block};
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    /// 32 nibbles of `qs[16]` as bytes: low nibbles in lanes 0..16, high in 16..32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn nibbles(qs: *const u8) -> __m256i {
+        // SAFETY (caller): `qs` points at 16 readable bytes.
+        let raw = unsafe { _mm_loadu_si128(qs as *const __m128i) };
+        let mask = _mm_set1_epi8(0x0f);
+        let lo = _mm_and_si128(raw, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+        _mm256_set_m128i(hi, lo)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn i32_sum_u8_i8(w: __m256i, a: __m256i) -> __m256 {
+        let pairs = _mm256_maddubs_epi16(w, a);
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn i32_sum_i8_i8(w: __m256i, a: __m256i) -> __m256 {
+        i32_sum_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load_q8(a: &Q8Block) -> __m256i {
+        // SAFETY: `qs` is 32 bytes.
+        unsafe { _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i) }
+    }
+
+    /// Q4_1 row (20-byte blocks) · Q8 activations.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q4_1(row: &[u8], xq: &[Q8Block]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut mins = 0f32;
+        for (b, a) in row.chunks_exact(20).zip(xq) {
+            let d = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+            let m = f16_to_f32(u16::from_le_bytes([b[2], b[3]]));
+            // SAFETY: a 20-byte block holds 16 quant bytes at offset 4; `a.qs` is 32 bytes.
+            let (w, x) = unsafe { (nibbles(b.as_ptr().add(4)), load_q8(a)) };
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), i32_sum_u8_i8(w, x), acc);
+            mins += m * a.s;
+        }
+        hsum(acc) + mins
+    }
+
+    /// Q4_0 row (18-byte blocks) · Q8 activations.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q4_0(row: &[u8], xq: &[Q8Block]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (b, a) in row.chunks_exact(18).zip(xq) {
+            let d = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+            // SAFETY: an 18-byte block holds 16 quant bytes at offset 2; `a.qs` is 32 bytes.
+            let (w, x) = unsafe { (nibbles(b.as_ptr().add(2)), load_q8(a)) };
+            let w = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), i32_sum_i8_i8(w, x), acc);
+        }
+        hsum(acc)
+    }
+
+    /// Q8_0 row (34-byte blocks) · Q8 activations.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q8_0(row: &[u8], xq: &[Q8Block]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (b, a) in row.chunks_exact(34).zip(xq) {
+            let d = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+            // SAFETY: a 34-byte block holds 32 quant bytes at offset 2; `a.qs` is 32 bytes.
+            let (w, x) = unsafe { (_mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i), load_q8(a)) };
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), i32_sum_i8_i8(w, x), acc);
+        }
+        hsum(acc)
+    }
+
+    /// Float rows: 8 weights at a time, converted by `load`, tail in scalar.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn float_dot(
+        row: &[u8],
+        x: &[f32],
+        width: usize,
+        load: impl Fn(*const u8) -> __m256,
+        scalar: impl Fn(&[u8]) -> f32,
+    ) -> f32 {
+        let n = x.len();
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: `row` holds `n * width` bytes and `x` holds `n` floats; i + 8 <= n.
+            let xv = unsafe { _mm256_loadu_ps(x.as_ptr().add(i)) };
+            let wv = load(unsafe { row.as_ptr().add(i * width) });
+            acc = _mm256_fmadd_ps(wv, xv, acc);
+            i += 8;
+        }
+        let mut s = hsum(acc);
+        while i < n {
+            s += scalar(&row[i * width..(i + 1) * width]) * x[i];
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn f32(row: &[u8], x: &[f32]) -> f32 {
+        // SAFETY: `float_dot` passes pointers with 32 readable bytes (8 floats) left in `row`.
+        let load = |p: *const u8| unsafe { _mm256_loadu_ps(p as *const f32) };
+        let scalar = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        // SAFETY: lengths as `float_dot` requires (checked by the dispatcher).
+        unsafe { float_dot(row, x, 4, load, scalar) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn f16(row: &[u8], x: &[f32]) -> f32 {
+        // SAFETY: `float_dot` passes pointers with 16 readable bytes (8 halves) left in `row`.
+        let load = |p: *const u8| _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p as *const __m128i) });
+        let scalar = |b: &[u8]| f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+        // SAFETY: lengths as `float_dot` requires (checked by the dispatcher).
+        unsafe { float_dot(row, x, 2, load, scalar) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn bf16(row: &[u8], x: &[f32]) -> f32 {
+        // SAFETY: `float_dot` passes pointers with 16 readable bytes (8 bfloat16) left in `row`.
+        let load = |p: *const u8| {
+            let h = unsafe { _mm_loadu_si128(p as *const __m128i) };
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        };
+        let scalar = |b: &[u8]| super::super::quant::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+        // SAFETY: lengths as `float_dot` requires (checked by the dispatcher).
+        unsafe { float_dot(row, x, 2, load, scalar) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(s: &mut u64) -> u64 {
+        *s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *s >> 33
+    }
+
+    /// Random bytes of `n` weights of `ty`, with sane (finite) scales.
+    fn random_row(ty: GgmlType, n: usize, s: &mut u64) -> Vec<u8> {
+        let h = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
+        let mut out = Vec::new();
+        match ty {
+            GgmlType::F32 => (0..n).for_each(|_| out.extend(((lcg(s) % 2000) as f32 / 1000.0 - 1.0).to_le_bytes())),
+            GgmlType::F16 => (0..n).for_each(|_| out.extend(h((lcg(s) % 2000) as f32 / 1000.0 - 1.0))),
+            GgmlType::BF16 => (0..n).for_each(|_| {
+                let v = (lcg(s) % 2000) as f32 / 1000.0 - 1.0;
+                out.extend(((v.to_bits() >> 16) as u16).to_le_bytes())
+            }),
+            _ => {
+                for _ in 0..n / QK {
+                    let start = out.len();
+                    out.extend(h((lcg(s) % 100) as f32 / 1000.0 + 0.001));
+                    if ty == GgmlType::Q4_1 {
+                        out.extend(h(-((lcg(s) % 100) as f32) / 100.0));
+                    }
+                    while out.len() - start < ty.block_bytes() {
+                        out.push(lcg(s) as u8);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn simd_and_portable_kernels_agree_on_every_type() {
+        let k = Kernel::detect();
+        if k == Kernel::Portable {
+            eprintln!("no AVX2 on this CPU: the portable kernel is the only one (nothing to compare)");
+        }
+        let mut s = 99u64;
+        for n in [32usize, 64, 576, 1536] {
+            let x: Vec<f32> = (0..n).map(|_| (lcg(&mut s) % 2000) as f32 / 500.0 - 2.0).collect();
+            let mut xq = Vec::new();
+            quant::quantize_q8(&x, &mut xq);
+            for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+                let row = random_row(ty, n, &mut s);
+                let want = quant::dot_row(ty, &row, &x, &xq).unwrap();
+                let got = dot_row(k, ty, &row, &x, &xq).unwrap();
+                let scale = want.abs().max(1.0);
+                assert!((got - want).abs() <= 1e-4 * scale, "{ty} n={n}: {got} vs {want}");
+            }
+        }
+        // Odd float lengths exercise the scalar tail.
+        let x: Vec<f32> = (0..13).map(|i| i as f32 * 0.1).collect();
+        let row = random_row(GgmlType::F32, 13, &mut s);
+        let want = quant::dot_row(GgmlType::F32, &row, &x, &[]).unwrap();
+        assert!((dot_row(k, GgmlType::F32, &row, &x, &[]).unwrap() - want).abs() < 1e-4);
+        // Shape errors surface from either kernel.
+        assert!(dot_row(k, GgmlType::Q4_1, &row, &x, &[]).is_err());
+    }
+}

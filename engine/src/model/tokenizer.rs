@@ -1,0 +1,234 @@
+//! The tokenizer and chat template of a real model.
+//!
+//! Both sources end up in the same `tokenizers::Tokenizer`:
+//! - an HF checkpoint's `tokenizer.json` is loaded as is;
+//! - a GGUF file's `tokenizer.ggml.*` metadata (byte-level BPE, `model = gpt2`) is turned into
+//!   the equivalent `tokenizer.json` document: vocabulary and merges, control and
+//!   user-defined tokens as added tokens, and the pre-tokenizer its `pre` names (`smollm`:
+//!   digits one by one, then the GPT-2 split — what llama.cpp's `LLAMA_VOCAB_PRE_TYPE_SMOLLM`
+//!   and SmolLM's own `tokenizer.json` do).
+//!
+//! The chat template stored with the model (`tokenizer.chat_template`, or
+//! `tokenizer_config.json`'s `chat_template`) is rendered with minijinja, Python string
+//! methods enabled, the way `transformers` renders it.
+
+use std::fmt;
+
+use serde_json::{json, Value as Json};
+
+use super::gguf::{Header, Value};
+use crate::tokenizer::{ChatMessage, TokenId, Tokenizer};
+
+/// Why a tokenizer cannot be built or used.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    /// Metadata is missing or malformed.
+    #[error("tokenizer metadata `{key}`: {reason}")]
+    Metadata {
+        /// The key.
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// This tokenizer family is not supported.
+    #[error("unsupported tokenizer: {0}")]
+    Unsupported(String),
+    /// The `tokenizers` crate rejected the document.
+    #[error("tokenizer: {0}")]
+    Build(String),
+    /// The chat template does not compile or render.
+    #[error("chat template: {0}")]
+    Template(String),
+}
+
+fn meta_err(key: &str, reason: impl Into<String>) -> TokenizerError {
+    TokenizerError::Metadata { key: key.to_string(), reason: reason.into() }
+}
+
+/// A real model's tokenizer with its special tokens and chat template.
+pub struct ModelTokenizer {
+    inner: tokenizers::Tokenizer,
+    eos: TokenId,
+    bos_text: String,
+    eos_text: String,
+    template: Option<minijinja::Environment<'static>>,
+}
+
+impl fmt::Debug for ModelTokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ModelTokenizer")
+            .field("vocab", &self.inner.get_vocab_size(true))
+            .field("eos", &self.eos)
+            .field("chat_template", &self.template.is_some())
+            .finish()
+    }
+}
+
+impl ModelTokenizer {
+    /// Build from a GGUF header.
+    pub fn from_gguf(h: &Header) -> Result<Self, TokenizerError> {
+        let model = h.str("tokenizer.ggml.model").map_err(|e| meta_err("tokenizer.ggml.model", e.to_string()))?;
+        if model != "gpt2" {
+            return Err(TokenizerError::Unsupported(format!(
+                "tokenizer.ggml.model = {model} (byte-level BPE `gpt2` is supported)"
+            )));
+        }
+        let strings = |key: &str| -> Result<Vec<&str>, TokenizerError> {
+            h.get(key)
+                .and_then(Value::as_array)
+                .ok_or_else(|| meta_err(key, "missing or not an array"))?
+                .iter()
+                .map(|v| v.as_str().ok_or_else(|| meta_err(key, "an element is not a string")))
+                .collect()
+        };
+        let tokens = strings("tokenizer.ggml.tokens")?;
+        let merges = strings("tokenizer.ggml.merges")?;
+        let types: Vec<u64> = match h.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
+            Some(a) => a.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
+            None => vec![1; tokens.len()],
+        };
+        if types.len() != tokens.len() {
+            return Err(meta_err("tokenizer.ggml.token_type", "length differs from tokenizer.ggml.tokens"));
+        }
+        let pre = h.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
+        let pre_tokenizer = match pre {
+            "smollm" => json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true},
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}]}),
+            "default" | "gpt2" | "gpt-2" => {
+                json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true})
+            }
+            other => {
+                return Err(TokenizerError::Unsupported(format!(
+                    "tokenizer.ggml.pre = {other} (supported: smollm, gpt2, default)"
+                )))
+            }
+        };
+        let vocab: serde_json::Map<String, Json> =
+            tokens.iter().enumerate().map(|(i, t)| (t.to_string(), json!(i))).collect();
+        // Control (3) and user-defined (4) tokens are matched whole, before the pre-tokenizer.
+        let added: Vec<Json> = tokens
+            .iter()
+            .zip(&types)
+            .enumerate()
+            .filter(|(_, (_, &ty))| ty == 3 || ty == 4)
+            .map(|(i, (t, &ty))| {
+                json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
+                       "normalized": false, "special": ty == 3})
+            })
+            .collect();
+        let doc = json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+            "normalizer": null, "pre_tokenizer": pre_tokenizer, "post_processor": null,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": vocab, "merges": merges},
+        });
+        let inner = tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&doc).expect("a JSON value serializes"))
+            .map_err(|e| TokenizerError::Build(e.to_string()))?;
+        let id = |key: &str| h.get(key).and_then(Value::as_u64).map(|v| v as TokenId);
+        let eos =
+            id("tokenizer.ggml.eos_token_id").ok_or_else(|| meta_err("tokenizer.ggml.eos_token_id", "missing"))?;
+        let text_of =
+            |id: Option<TokenId>| id.and_then(|i| tokens.get(i as usize)).map(|s| s.to_string()).unwrap_or_default();
+        let template = h.get("tokenizer.chat_template").and_then(Value::as_str).map(compile_template).transpose()?;
+        let bos_text = text_of(id("tokenizer.ggml.bos_token_id"));
+        if eos as usize >= tokens.len() {
+            return Err(meta_err("tokenizer.ggml.eos_token_id", format!("{eos} is outside the vocabulary")));
+        }
+        Ok(Self { inner, eos, bos_text, eos_text: tokens[eos as usize].to_string(), template })
+    }
+
+    /// Build from an HF `tokenizer.json` document, with the special tokens and template of
+    /// `tokenizer_config.json` (when given).
+    pub fn from_hf(tokenizer_json: &[u8], config: Option<&Json>) -> Result<Self, TokenizerError> {
+        let inner =
+            tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(|e| TokenizerError::Build(e.to_string()))?;
+        // `bos_token` / `eos_token` are strings or `{"content": ...}` objects.
+        let special = |key: &str| -> Option<String> {
+            let v = config?.get(key)?;
+            v.as_str().or_else(|| v.get("content").and_then(Json::as_str)).map(str::to_owned)
+        };
+        let eos_text = special("eos_token").unwrap_or_else(|| "<|endoftext|>".to_string());
+        let eos = inner
+            .token_to_id(&eos_text)
+            .ok_or_else(|| meta_err("eos_token", format!("`{eos_text}` is not in the vocabulary")))?;
+        let template =
+            config.and_then(|c| c.get("chat_template")).and_then(Json::as_str).map(compile_template).transpose()?;
+        Ok(Self { inner, eos, bos_text: special("bos_token").unwrap_or_default(), eos_text, template })
+    }
+
+    /// Render a conversation with the model's chat template and a generation prompt
+    /// (ChatML when the model has no template).
+    pub fn render(&self, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
+        let Some(env) = &self.template else {
+            return Ok(crate::tokenizer::render_chatml(messages));
+        };
+        let tmpl = env.get_template("chat").map_err(|e| TokenizerError::Template(e.to_string()))?;
+        let msgs: Vec<Json> = messages.iter().map(|m| json!({"role": m.role, "content": m.content})).collect();
+        tmpl.render(minijinja::context! {
+            messages => msgs,
+            add_generation_prompt => true,
+            bos_token => self.bos_text,
+            eos_token => self.eos_text,
+        })
+        .map_err(|e| TokenizerError::Template(describe(&e)))
+    }
+
+    /// Number of tokens in the vocabulary, added tokens included.
+    pub fn vocab_len(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}
+
+fn describe(e: &minijinja::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
+fn compile_template(source: &str) -> Result<minijinja::Environment<'static>, TokenizerError> {
+    let mut env = minijinja::Environment::new();
+    minijinja_contrib::add_to_environment(&mut env);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
+        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+    });
+    env.add_template_owned("chat", source.to_string()).map_err(|e| TokenizerError::Template(describe(&e)))?;
+    Ok(env)
+}
+
+impl Tokenizer for ModelTokenizer {
+    fn encode(&self, text: &str) -> Vec<TokenId> {
+        match self.inner.encode_fast(text, false) {
+            Ok(enc) => enc.get_ids().to_vec(),
+            // Encoding only fails on internal errors of the tokenizer (never on user text).
+            Err(e) => {
+                tracing::error!(error = %e, "tokenizer failed to encode");
+                Vec::new()
+            }
+        }
+    }
+
+    fn decode(&self, ids: &[TokenId]) -> String {
+        self.inner.decode(ids, true).unwrap_or_else(|_| "\u{FFFD}".to_string())
+    }
+
+    fn eos_token_id(&self) -> TokenId {
+        self.eos
+    }
+
+    fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        self.render(messages).map_err(|e| e.to_string())
+    }
+
+    fn vocab_size(&self) -> Option<usize> {
+        Some(self.vocab_len())
+    }
+}
