@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
-# The main job: a local Switchyard stack on localhost: two simulated H100 engines
-# (Llama-3-8B timing) on :8101 and :8102 behind the gateway on :8080 (admin :9090),
-# configured by config/gateway.example.yaml. Ctrl-C stops everything.
+# The main job: a local Switchyard stack on localhost: two engines on :8101 and :8102 behind
+# the gateway on :8080 (admin :9090), configured by config/gateway.example.yaml.
+# By default the engines run the real SmolLM2-135M-Instruct on the CPU (one thread each);
+# BACKEND=sim runs simulated H100s instead (SIM_PROFILE, default h100-llama3-8b).
+# Ctrl-C stops everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo build --release --locked -p switchyard-engine -p switchyard-gateway
 
+BACKEND=${BACKEND:-cpu}
 PROFILE=${SIM_PROFILE:-h100-llama3-8b}
+case "$BACKEND" in
+  cpu) engine_args=(--backend cpu --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
+                    --served-model-name SmolLM2-135M-Instruct --threads 1 --kv-cache-space 0.5)
+       what="SmolLM2-135M-Instruct engines (cpu)" ;;
+  sim) engine_args=(--backend sim --sim-profile "$PROFILE"); what="sim engines ($PROFILE)" ;;
+  *) echo "BACKEND must be cpu or sim, got $BACKEND" >&2; exit 2 ;;
+esac
 PORTS=(8101 8102)
 pids=()
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
@@ -15,7 +25,7 @@ trap cleanup EXIT INT TERM
 
 mkdir -p .cache/logs
 for port in "${PORTS[@]}"; do
-  ./target/release/switchyard-engine --host 127.0.0.1 --port "$port" --sim-profile "$PROFILE" \
+  ./target/release/switchyard-engine --host 127.0.0.1 --port "$port" "${engine_args[@]}" \
     >".cache/logs/engine-$port.log" 2>&1 &
   pids+=($!)
 done
@@ -38,13 +48,13 @@ curl -fsS http://127.0.0.1:8080/-/ready >/dev/null || { echo "gateway did not be
 model=$(curl -fsS http://127.0.0.1:8080/v1/models | sed -E 's/.*"id":"([^"]+)".*/\1/')
 cat <<MSG
 
-Switchyard local stack is up: gateway on :8080 → ${#PORTS[@]} sim engines ($PROFILE) on ${PORTS[*]}.
+Switchyard local stack is up: gateway on :8080 → ${#PORTS[@]} $what on ${PORTS[*]}.
 Logs: .cache/logs/. Gateway metrics: curl http://127.0.0.1:9090/metrics
 Backends as the gateway sees them: curl http://127.0.0.1:9090/admin/backends
 
 Try:
   curl -N http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{"model": "$model", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32, "stream": true}'
+    -d '{"model": "$model", "messages": [{"role": "user", "content": "Which city is the capital of France?"}], "max_tokens": 32, "stream": true}'
 
 Ctrl-C to stop.
 MSG
