@@ -22,7 +22,7 @@ use rayon::prelude::*;
 
 use super::gguf::{GgmlType, GgufError, GgufFile};
 use super::quant::{dequantize_row, quantize_q8, Q8Block, QuantError};
-use super::simd::{dot_row, Kernel};
+use super::simd::{axpy, dot_f32, dot_row, dot_row_tokens, Kernel};
 use crate::kv::BlockId;
 use crate::tokenizer::TokenId;
 
@@ -335,7 +335,7 @@ impl Llama {
     /// last token of every sequence that asked for them, in order.
     pub fn forward(&self, kv: &mut KvStore, seqs: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
         let c = &self.cfg;
-        let (dim, kvd, hd) = (c.dim, c.kv_dim(), c.head_dim());
+        let (dim, kvd) = (c.dim, c.kv_dim());
         // Row r of the batch: (sequence index, position).
         let rows: Vec<(usize, usize)> =
             seqs.iter().enumerate().flat_map(|(s, q)| (0..q.tokens.len()).map(move |i| (s, q.start + i))).collect();
@@ -380,8 +380,9 @@ impl Llama {
             }
             let (kc, vc) = (&kv.k[li], &kv.v[li]);
             let kvs: &KvStore = kv;
+            let kernel = scratch.kernel;
             att.par_chunks_mut(dim).zip(q.par_chunks(dim)).zip(rows.par_iter()).for_each(|((out, qr), &(s, pos))| {
-                attend(c, hd, qr, out, pos, |p| kvs.slot(seqs[s].block_table, p), kc, vc);
+                attend(kernel, c, qr, out, pos, |p| kvs.slot(seqs[s].block_table, p), kc, vc);
             });
             matmul(&l.wo, &att, &mut o, &mut scratch)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
@@ -434,8 +435,8 @@ fn tensor_err(name: &str, reason: impl Into<String>) -> ModelError {
 /// Attention of one query row at position `pos` over positions `0..=pos`.
 #[allow(clippy::too_many_arguments)]
 fn attend(
+    k: Kernel,
     c: &LlamaConfig,
-    hd: usize,
     q: &[f32],
     out: &mut [f32],
     pos: usize,
@@ -443,6 +444,7 @@ fn attend(
     kc: &[f32],
     vc: &[f32],
 ) {
+    let hd = c.head_dim();
     let group = c.n_heads / c.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let mut scores = vec![0f32; pos + 1];
@@ -452,8 +454,7 @@ fn attend(
         let qh = &q[h * hd..(h + 1) * hd];
         let mut max = f32::NEG_INFINITY;
         for (s, &at) in scores.iter_mut().zip(&slots) {
-            let kr = &kc[at + kvh * hd..at + (kvh + 1) * hd];
-            *s = qh.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale;
+            *s = dot_f32(k, qh, &kc[at + kvh * hd..at + (kvh + 1) * hd]) * scale;
             max = max.max(*s);
         }
         let mut sum = 0.0;
@@ -463,10 +464,9 @@ fn attend(
         }
         let oh = &mut out[h * hd..(h + 1) * hd];
         oh.fill(0.0);
+        let inv = 1.0 / sum;
         for (s, &at) in scores.iter().zip(&slots) {
-            let w = s / sum;
-            let vr = &vc[at + kvh * hd..at + (kvh + 1) * hd];
-            oh.iter_mut().zip(vr).for_each(|(o, v)| *o += w * v);
+            axpy(k, s * inv, &vc[at + kvh * hd..at + (kvh + 1) * hd], oh);
         }
     }
 }
@@ -521,6 +521,10 @@ fn matmul(w: &Matrix, x: &[f32], y: &mut [f32], scratch: &mut Scratch) -> Result
         for (i, yr) in out.chunks_exact_mut(t).enumerate() {
             let r = chunk * ROWS_PER_TASK + i;
             let wr = w.row(r);
+            if !xq.is_empty() {
+                dot_row_tokens(kernel, w.ty, wr, xq, blocks, yr)?;
+                continue;
+            }
             for (tt, y) in yr.iter_mut().enumerate() {
                 let xr = &x[tt * w.cols..(tt + 1) * w.cols];
                 let xqr = if xq.is_empty() { &[][..] } else { &xq[tt * blocks..(tt + 1) * blocks] };

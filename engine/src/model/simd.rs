@@ -17,6 +17,9 @@ pub enum Kernel {
     Portable,
     /// AVX2 + FMA + F16C.
     Avx2,
+    /// AVX2 + FMA + F16C, and AVX-512 VNNI (on 256-bit vectors) for the batched integer
+    /// kernels: one `vpdpbusd` replaces `maddubs` + `madd`.
+    Vnni,
 }
 
 impl Kernel {
@@ -25,6 +28,12 @@ impl Kernel {
         #[cfg(target_arch = "x86_64")]
         {
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+                if is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
+                {
+                    return Kernel::Vnni;
+                }
                 return Kernel::Avx2;
             }
         }
@@ -36,13 +45,13 @@ impl Kernel {
 #[inline]
 pub fn dot_row(k: Kernel, ty: GgmlType, row: &[u8], x: &[f32], xq: &[Q8Block]) -> Result<f32, QuantError> {
     #[cfg(target_arch = "x86_64")]
-    if k == Kernel::Avx2 {
+    if matches!(k, Kernel::Avx2 | Kernel::Vnni) {
         quant::check_shape(ty, row, x.len())?;
         if ty.block_len() == QK && xq.len() * QK != x.len() {
             return Err(QuantError::Shape { ty, row: x.len(), bytes: row.len(), n: xq.len() * QK });
         }
-        // SAFETY: `Kernel::Avx2` is only produced by `detect` after checking AVX2, FMA and
-        // F16C at run time; the lengths of `row`, `x` and `xq` were checked just above and
+        // SAFETY: `Kernel::Avx2` and `Kernel::Vnni` are only produced by `detect` after
+        // checking AVX2, FMA and F16C at run time; the lengths of `row`, `x` and `xq` were checked just above and
         // every kernel reads exactly those extents.
         return unsafe {
             match ty {
@@ -60,15 +69,116 @@ pub fn dot_row(k: Kernel, ty: GgmlType, row: &[u8], x: &[f32], xq: &[Q8Block]) -
     quant::dot_row(ty, row, x, xq)
 }
 
+/// `a · b` over f32 slices of equal length (attention scores).
+#[inline]
+pub fn dot_f32(k: Kernel, a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let n = a.len().min(b.len());
+    #[cfg(target_arch = "x86_64")]
+    if matches!(k, Kernel::Avx2 | Kernel::Vnni) {
+        // SAFETY: AVX2/FMA detected at run time; both slices are read within `n`.
+        return unsafe { avx2::dot_f32(&a[..n], &b[..n]) };
+    }
+    let _ = k;
+    // Eight independent partial sums: the same association as the SIMD kernel.
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a[..n].chunks_exact(8), b[..n].chunks_exact(8));
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `y += w · x` over f32 slices of equal length (attention's weighted sum of values).
+#[inline]
+pub fn axpy(k: Kernel, w: f32, x: &[f32], y: &mut [f32]) {
+    let n = x.len().min(y.len());
+    #[cfg(target_arch = "x86_64")]
+    if matches!(k, Kernel::Avx2 | Kernel::Vnni) {
+        // SAFETY: AVX2/FMA detected at run time; both slices are accessed within `n`.
+        unsafe { avx2::axpy(w, &x[..n], &mut y[..n]) };
+        return;
+    }
+    let _ = k;
+    y[..n].iter_mut().zip(&x[..n]).for_each(|(y, x)| *y += w * x);
+}
+
+/// `out[t] = row · xq[t]` for `out.len()` token rows of quantized activations (`blocks`
+/// blocks each) — one weight row against a batch, unpacking each weight block once.
+/// Quantized weight types only (Q4_0, Q4_1, Q8_0).
+pub fn dot_row_tokens(
+    k: Kernel,
+    ty: GgmlType,
+    row: &[u8],
+    xq: &[Q8Block],
+    blocks: usize,
+    out: &mut [f32],
+) -> Result<(), QuantError> {
+    let n = blocks * QK;
+    quant::check_shape(ty, row, n)?;
+    if xq.len() != out.len() * blocks || !matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) {
+        return Err(QuantError::Shape { ty, row: n, bytes: row.len(), n: xq.len() * QK });
+    }
+    #[cfg(target_arch = "x86_64")]
+    if k == Kernel::Vnni {
+        // SAFETY: AVX2/FMA/F16C and AVX-512 F/VL/VNNI were detected at run time
+        // (`Kernel::Vnni`); extents checked above, as for the AVX2 kernels below.
+        unsafe {
+            match ty {
+                GgmlType::Q4_1 => vnni::q4_1_tokens(row, xq, blocks, out),
+                GgmlType::Q4_0 => vnni::q4_0_tokens(row, xq, blocks, out),
+                _ => vnni::q8_0_tokens(row, xq, blocks, out),
+            }
+        }
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if k == Kernel::Avx2 {
+        // SAFETY: AVX2/FMA/F16C were detected at run time (`Kernel::Avx2`); `row` holds
+        // `blocks` whole blocks and `xq` holds `blocks` blocks per output (checked above).
+        unsafe {
+            match ty {
+                GgmlType::Q4_1 => avx2::q4_1_tokens(row, xq, blocks, out),
+                GgmlType::Q4_0 => avx2::q4_0_tokens(row, xq, blocks, out),
+                _ => avx2::q8_0_tokens(row, xq, blocks, out),
+            }
+        }
+        return Ok(());
+    }
+    let _ = k;
+    let x = vec![0f32; n];
+    for (o, a) in out.iter_mut().zip(xq.chunks_exact(blocks.max(1))) {
+        *o = quant::dot_row(ty, row, &x, a)?;
+    }
+    Ok(())
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
     use super::super::quant::{f16_to_f32, Q8Block};
 
+    /// The f16 at `b[0..2]` (and `b[2..4]`) as f32, converted by F16C.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn hsum(v: __m256) -> f32 {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn halves(b: &[u8]) -> (f32, f32) {
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn half(b: &[u8]) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(u16::from_le_bytes([b[0], b[1]])))))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn hsum(v: __m256) -> f32 {
         let lo = _mm256_castps256_ps128(v);
         let hi = _mm256_extractf128_ps(v, 1);
         let s = _mm_add_ps(lo, hi);
@@ -79,8 +189,8 @@ mod avx2 {
 
     /// 32 nibbles of `qs[16]` as bytes: low nibbles in lanes 0..16, high in 16..32.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn nibbles(qs: *const u8) -> __m256i {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn nibbles(qs: *const u8) -> __m256i {
         // SAFETY (caller): `qs` points at 16 readable bytes.
         let raw = unsafe { _mm_loadu_si128(qs as *const __m128i) };
         let mask = _mm_set1_epi8(0x0f);
@@ -90,33 +200,32 @@ mod avx2 {
     }
 
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     fn i32_sum_u8_i8(w: __m256i, a: __m256i) -> __m256 {
         let pairs = _mm256_maddubs_epi16(w, a);
         _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
     }
 
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     fn i32_sum_i8_i8(w: __m256i, a: __m256i) -> __m256 {
         i32_sum_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
     }
 
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn load_q8(a: &Q8Block) -> __m256i {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn load_q8(a: &Q8Block) -> __m256i {
         // SAFETY: `qs` is 32 bytes.
         unsafe { _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i) }
     }
 
     /// Q4_1 row (20-byte blocks) · Q8 activations.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn q4_1(row: &[u8], xq: &[Q8Block]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         let mut mins = 0f32;
         for (b, a) in row.chunks_exact(20).zip(xq) {
-            let d = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
-            let m = f16_to_f32(u16::from_le_bytes([b[2], b[3]]));
+            let (d, m) = halves(b);
             // SAFETY: a 20-byte block holds 16 quant bytes at offset 4; `a.qs` is 32 bytes.
             let (w, x) = unsafe { (nibbles(b.as_ptr().add(4)), load_q8(a)) };
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), i32_sum_u8_i8(w, x), acc);
@@ -126,11 +235,11 @@ mod avx2 {
     }
 
     /// Q4_0 row (18-byte blocks) · Q8 activations.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn q4_0(row: &[u8], xq: &[Q8Block]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for (b, a) in row.chunks_exact(18).zip(xq) {
-            let d = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+            let d = half(b);
             // SAFETY: an 18-byte block holds 16 quant bytes at offset 2; `a.qs` is 32 bytes.
             let (w, x) = unsafe { (nibbles(b.as_ptr().add(2)), load_q8(a)) };
             let w = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
@@ -140,11 +249,11 @@ mod avx2 {
     }
 
     /// Q8_0 row (34-byte blocks) · Q8 activations.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn q8_0(row: &[u8], xq: &[Q8Block]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for (b, a) in row.chunks_exact(34).zip(xq) {
-            let d = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+            let d = half(b);
             // SAFETY: a 34-byte block holds 32 quant bytes at offset 2; `a.qs` is 32 bytes.
             let (w, x) = unsafe { (_mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i), load_q8(a)) };
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), i32_sum_i8_i8(w, x), acc);
@@ -152,9 +261,106 @@ mod avx2 {
         hsum(acc)
     }
 
+    /// One weight block against the same block of several token rows: the weights are
+    /// unpacked once and meet each token's activations in turn.
+    macro_rules! tiled {
+        ($name:ident, $bytes:expr, |$b:ident| $unpack:expr, $sum:ident, $min:expr) => {
+            /// `out[t] = row · xq[t]` for every token row `t` of `xq` (`blocks` blocks each).
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $name(row: &[u8], xq: &[Q8Block], blocks: usize, out: &mut [f32]) {
+                const TILE: usize = 4;
+                let t = out.len();
+                let mut start = 0;
+                while start < t {
+                    let n = TILE.min(t - start);
+                    let mut acc = [_mm256_setzero_ps(); TILE];
+                    let mut mins = [0f32; TILE];
+                    for (bi, $b) in row.chunks_exact($bytes).enumerate() {
+                        // SAFETY: `$b` is one whole block of `$bytes` bytes.
+                        let (d, m, w) = unsafe { $unpack };
+                        for j in 0..n {
+                            let a = &xq[(start + j) * blocks + bi];
+                            // SAFETY: `a.qs` is 32 bytes.
+                            let x = unsafe { load_q8(a) };
+                            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), $sum(w, x), acc[j]);
+                            mins[j] += $min(m, a);
+                        }
+                    }
+                    for j in 0..n {
+                        out[start + j] = hsum(acc[j]) + mins[j];
+                    }
+                    start += n;
+                }
+            }
+        };
+    }
+
+    tiled!(
+        q4_1_tokens,
+        20,
+        |b| {
+            let (d, m) = halves(b);
+            (d, m, nibbles(b.as_ptr().add(4)))
+        },
+        i32_sum_u8_i8,
+        |m: f32, a: &Q8Block| m * a.s
+    );
+    tiled!(
+        q4_0_tokens,
+        18,
+        |b| (half(b), 0.0f32, _mm256_sub_epi8(nibbles(b.as_ptr().add(2)), _mm256_set1_epi8(8))),
+        i32_sum_i8_i8,
+        |_m: f32, _a: &Q8Block| 0.0
+    );
+    tiled!(
+        q8_0_tokens,
+        34,
+        |b| (half(b), 0.0f32, _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i)),
+        i32_sum_i8_i8,
+        |_m: f32, _a: &Q8Block| 0.0
+    );
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n = a.len() = b.len().
+            let (x, y) = unsafe { (_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i))) };
+            acc = _mm256_fmadd_ps(x, y, acc);
+            i += 8;
+        }
+        let mut s = hsum(acc);
+        while i < n {
+            s += a[i] * b[i];
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
+        let n = x.len();
+        let wv = _mm256_set1_ps(w);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n = x.len() = y.len().
+            unsafe {
+                let v = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(y.as_ptr().add(i)));
+                _mm256_storeu_ps(y.as_mut_ptr().add(i), v);
+            }
+            i += 8;
+        }
+        while i < n {
+            y[i] += w * x[i];
+            i += 1;
+        }
+    }
+
     /// Float rows: 8 weights at a time, converted by `load`, tail in scalar.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn float_dot(
         row: &[u8],
         x: &[f32],
@@ -180,7 +386,7 @@ mod avx2 {
         s
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn f32(row: &[u8], x: &[f32]) -> f32 {
         // SAFETY: `float_dot` passes pointers with 32 readable bytes (8 floats) left in `row`.
         let load = |p: *const u8| unsafe { _mm256_loadu_ps(p as *const f32) };
@@ -198,7 +404,7 @@ mod avx2 {
         unsafe { float_dot(row, x, 2, load, scalar) }
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn bf16(row: &[u8], x: &[f32]) -> f32 {
         // SAFETY: `float_dot` passes pointers with 16 readable bytes (8 bfloat16) left in `row`.
         let load = |p: *const u8| {
@@ -209,6 +415,71 @@ mod avx2 {
         // SAFETY: lengths as `float_dot` requires (checked by the dispatcher).
         unsafe { float_dot(row, x, 2, load, scalar) }
     }
+}
+
+/// The batched integer kernels with AVX-512 VNNI: tiles of 4 token rows (then single rows),
+/// each weight block unpacked once per tile.
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use std::arch::x86_64::*;
+
+    use super::super::quant::Q8Block;
+    use super::avx2::{half, halves, hsum, load_q8, nibbles};
+
+    macro_rules! kernel {
+        ($name:ident, $tile:ident, $bytes:expr, signed = $signed:expr, |$b:ident| $unpack:expr) => {
+            #[inline]
+            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+            unsafe fn $tile<const N: usize>(row: &[u8], xq: &[Q8Block], blocks: usize, start: usize, out: &mut [f32]) {
+                let mut acc = [_mm256_setzero_ps(); N];
+                let mut mins = [0f32; N];
+                for (bi, $b) in row.chunks_exact($bytes).enumerate() {
+                    // SAFETY: `$b` is one whole block of `$bytes` bytes.
+                    let (d, m, w) = unsafe { $unpack };
+                    let wu = if $signed { _mm256_sign_epi8(w, w) } else { w };
+                    for j in 0..N {
+                        let a = &xq[(start + j) * blocks + bi];
+                        // SAFETY: `a.qs` is 32 bytes.
+                        let x = unsafe { load_q8(a) };
+                        let x = if $signed { _mm256_sign_epi8(x, w) } else { x };
+                        let p = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, x));
+                        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), p, acc[j]);
+                        mins[j] += m * a.s;
+                    }
+                }
+                for j in 0..N {
+                    out[start + j] = hsum(acc[j]) + mins[j];
+                }
+            }
+
+            /// `out[t] = row · xq[t]` for every token row `t` of `xq` (`blocks` blocks each).
+            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+            pub unsafe fn $name(row: &[u8], xq: &[Q8Block], blocks: usize, out: &mut [f32]) {
+                let t = out.len();
+                let mut start = 0;
+                // SAFETY (all calls): the caller checked `row` and `xq` extents.
+                while start + 4 <= t {
+                    unsafe { $tile::<4>(row, xq, blocks, start, out) };
+                    start += 4;
+                }
+                while start < t {
+                    unsafe { $tile::<1>(row, xq, blocks, start, out) };
+                    start += 1;
+                }
+            }
+        };
+    }
+
+    kernel!(q4_1_tokens, q4_1_tile, 20, signed = false, |b| {
+        let (d, m) = halves(b);
+        (d, m, nibbles(b.as_ptr().add(4)))
+    });
+    kernel!(q4_0_tokens, q4_0_tile, 18, signed = true, |b| {
+        (half(b), 0.0f32, _mm256_sub_epi8(nibbles(b.as_ptr().add(2)), _mm256_set1_epi8(8)))
+    });
+    kernel!(q8_0_tokens, q8_0_tile, 34, signed = true, |b| {
+        (half(b), 0.0f32, _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i))
+    });
 }
 
 #[cfg(test)]
@@ -264,6 +535,51 @@ mod tests {
                 let got = dot_row(k, ty, &row, &x, &xq).unwrap();
                 let scale = want.abs().max(1.0);
                 assert!((got - want).abs() <= 1e-4 * scale, "{ty} n={n}: {got} vs {want}");
+            }
+        }
+        // One row against a batch of token rows (tiles of 4 and a remainder).
+        for t in [1usize, 3, 4, 9] {
+            let n = 576;
+            let blocks = n / QK;
+            let xs: Vec<Vec<f32>> =
+                (0..t).map(|_| (0..n).map(|_| (lcg(&mut s) % 2000) as f32 / 500.0 - 2.0).collect()).collect();
+            let mut xq = Vec::new();
+            for x in &xs {
+                let mut q = Vec::new();
+                quant::quantize_q8(x, &mut q);
+                xq.extend(q);
+            }
+            for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+                let row = random_row(ty, n, &mut s);
+                let kernels: &[Kernel] = match k {
+                    Kernel::Vnni => &[Kernel::Portable, Kernel::Avx2, Kernel::Vnni],
+                    Kernel::Avx2 => &[Kernel::Portable, Kernel::Avx2],
+                    Kernel::Portable => &[Kernel::Portable],
+                };
+                for &kernel in kernels {
+                    let mut out = vec![0f32; t];
+                    dot_row_tokens(kernel, ty, &row, &xq, blocks, &mut out).unwrap();
+                    for (tt, x) in xs.iter().enumerate() {
+                        let want = quant::dot_row(ty, &row, x, &xq[tt * blocks..(tt + 1) * blocks]).unwrap();
+                        assert!(
+                            (out[tt] - want).abs() <= 1e-4 * want.abs().max(1.0),
+                            "{ty} t={t}: {} vs {want}",
+                            out[tt]
+                        );
+                    }
+                }
+            }
+        }
+        // Attention helpers.
+        for n in [5usize, 64, 67] {
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+            for kernel in [Kernel::Portable, k] {
+                assert!((dot_f32(kernel, &a, &b) - want).abs() < 1e-4);
+                let mut y = b.clone();
+                axpy(kernel, 0.5, &a, &mut y);
+                assert!(y.iter().zip(a.iter().zip(&b)).all(|(y, (a, b))| (y - (b + 0.5 * a)).abs() < 1e-6));
             }
         }
         // Odd float lengths exercise the scalar tail.
