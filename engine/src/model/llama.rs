@@ -364,9 +364,7 @@ impl Llama {
         let (mut g, mut u) = (vec![0f32; t * c.ffn_dim], vec![0f32; t * c.ffn_dim]);
         for (li, l) in self.layers.iter().enumerate() {
             rmsnorm(&x, &l.attn_norm, c.eps, &mut n);
-            matmul(&l.wq, &n, &mut q, &mut scratch)?;
-            matmul(&l.wk, &n, &mut k, &mut scratch)?;
-            matmul(&l.wv, &n, &mut v, &mut scratch)?;
+            matmul(&[&l.wq, &l.wk, &l.wv], &n, &mut [&mut q, &mut k, &mut v], &mut scratch)?;
             for (r, &(_, pos)) in rows.iter().enumerate() {
                 self.rope(&mut q[r * dim..(r + 1) * dim], pos);
                 self.rope(&mut k[r * kvd..(r + 1) * kvd], pos);
@@ -384,14 +382,13 @@ impl Llama {
             att.par_chunks_mut(dim).zip(q.par_chunks(dim)).zip(rows.par_iter()).for_each(|((out, qr), &(s, pos))| {
                 attend(kernel, c, qr, out, pos, |p| kvs.slot(seqs[s].block_table, p), kc, vc);
             });
-            matmul(&l.wo, &att, &mut o, &mut scratch)?;
+            matmul(&[&l.wo], &att, &mut [&mut o], &mut scratch)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
 
             rmsnorm(&x, &l.ffn_norm, c.eps, &mut n);
-            matmul(&l.w_gate, &n, &mut g, &mut scratch)?;
-            matmul(&l.w_up, &n, &mut u, &mut scratch)?;
+            matmul(&[&l.w_gate, &l.w_up], &n, &mut [&mut g, &mut u], &mut scratch)?;
             g.iter_mut().zip(&u).for_each(|(a, b)| *a = *a / (1.0 + (-*a).exp()) * b);
-            matmul(&l.w_down, &g, &mut o, &mut scratch)?;
+            matmul(&[&l.w_down], &g, &mut [&mut o], &mut scratch)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         }
         // Logits only for the last token of the sequences that sample.
@@ -407,7 +404,7 @@ impl Llama {
         let mut normed = vec![0f32; last.len()];
         rmsnorm(&last, &self.norm, c.eps, &mut normed);
         let mut logits = vec![0f32; m * c.vocab];
-        matmul(&self.lm_head, &normed, &mut logits, &mut scratch)?;
+        matmul(&[&self.lm_head], &normed, &mut [&mut logits], &mut scratch)?;
         Ok(logits.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
     }
 
@@ -494,48 +491,62 @@ impl Default for Scratch {
     }
 }
 
-/// `y[t] = W · x[t]` for every row `t` of `x` (`x`: `T × cols`, `y`: `T × rows`), split over
-/// the rayon pool by output rows.
-fn matmul(w: &Matrix, x: &[f32], y: &mut [f32], scratch: &mut Scratch) -> Result<(), ModelError> {
-    let t = x.len() / w.cols;
-    debug_assert_eq!(y.len(), t * w.rows);
+/// `ys[i][t] = ws[i] · x[t]` for every row `t` of `x` (`x`: `T × cols`, `ys[i]`: `T ×
+/// ws[i].rows`). Matrices that read the same input (Q, K and V; gate and up) go in one call:
+/// the activations are quantized once and one parallel pass covers all their rows, split
+/// over the rayon pool in strips of output rows.
+fn matmul(ws: &[&Matrix], x: &[f32], ys: &mut [&mut [f32]], scratch: &mut Scratch) -> Result<(), ModelError> {
+    let cols = ws[0].cols;
+    debug_assert!(ws.iter().all(|w| w.cols == cols));
+    let t = x.len() / cols;
     if t == 0 {
         return Ok(());
     }
     // Quantize every activation row once (quantized weights meet Q8 activations).
-    let blocks = w.cols / super::quant::QK;
+    let blocks = cols / super::quant::QK;
     scratch.xq.clear();
-    if w.ty.block_len() == super::quant::QK {
+    if ws.iter().any(|w| w.ty.block_len() == super::quant::QK) {
         let mut row = Vec::with_capacity(blocks);
-        for xr in x.chunks_exact(w.cols) {
+        for xr in x.chunks_exact(cols) {
             quantize_q8(xr, &mut row);
             scratch.xq.extend_from_slice(&row);
         }
     }
     let xq: &[Q8Block] = &scratch.xq;
     let kernel = scratch.kernel;
+    // Row offsets of each matrix in the concatenated output.
+    let mut offsets = Vec::with_capacity(ws.len() + 1);
+    offsets.push(0);
+    for w in ws {
+        offsets.push(offsets.last().copied().unwrap_or(0) + w.rows);
+    }
+    let total = offsets[ws.len()];
     // Output transposed (`rows × T`) so each task owns a contiguous strip.
-    scratch.yt.resize(w.rows * t, 0.0);
+    scratch.yt.resize(total * t, 0.0);
     const ROWS_PER_TASK: usize = 16;
-    scratch.yt.par_chunks_mut(ROWS_PER_TASK * t).enumerate().try_for_each(|(chunk, out)| {
+    scratch.yt[..total * t].par_chunks_mut(ROWS_PER_TASK * t).enumerate().try_for_each(|(chunk, out)| {
         for (i, yr) in out.chunks_exact_mut(t).enumerate() {
-            let r = chunk * ROWS_PER_TASK + i;
+            let global = chunk * ROWS_PER_TASK + i;
+            let m = offsets.partition_point(|&o| o <= global) - 1;
+            let (w, r) = (ws[m], global - offsets[m]);
             let wr = w.row(r);
-            if !xq.is_empty() {
+            if w.ty.block_len() == super::quant::QK {
                 dot_row_tokens(kernel, w.ty, wr, xq, blocks, yr)?;
                 continue;
             }
             for (tt, y) in yr.iter_mut().enumerate() {
-                let xr = &x[tt * w.cols..(tt + 1) * w.cols];
-                let xqr = if xq.is_empty() { &[][..] } else { &xq[tt * blocks..(tt + 1) * blocks] };
-                *y = dot_row(kernel, w.ty, wr, xr, xqr)?;
+                *y = dot_row(kernel, w.ty, wr, &x[tt * cols..(tt + 1) * cols], &[])?;
             }
         }
         Ok::<_, QuantError>(())
     })?;
-    for r in 0..w.rows {
-        for tt in 0..t {
-            y[tt * w.rows + r] = scratch.yt[r * t + tt];
+    for (m, (w, y)) in ws.iter().zip(ys.iter_mut()).enumerate() {
+        debug_assert_eq!(y.len(), t * w.rows);
+        for r in 0..w.rows {
+            let src = &scratch.yt[(offsets[m] + r) * t..(offsets[m] + r + 1) * t];
+            for (tt, v) in src.iter().enumerate() {
+                y[tt * w.rows + r] = *v;
+            }
         }
     }
     Ok(())
