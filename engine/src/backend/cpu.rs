@@ -126,6 +126,8 @@ impl Backend for CpuBackend {
                     if !s.eos_allowed {
                         l[self.eos as usize] = f32::NEG_INFINITY;
                     }
+                    let output = &s.tokens[s.tokens.len().saturating_sub(s.num_output_tokens)..];
+                    penalize(&mut l, s.params, s.tokens, output);
                     (s.sched.id, sample(&mut l, s.params, s.num_output_tokens))
                 })
                 .collect(),
@@ -137,6 +139,32 @@ impl Backend for CpuBackend {
             }
         };
         StepOutput { sampled, model_time: None }
+    }
+}
+
+/// Apply vLLM's penalties to `logits`: repetition over every token seen (`seen`: prompt +
+/// output), presence and frequency over the generated `output`.
+pub fn penalize(logits: &mut [f32], p: &SamplingParams, seen: &[TokenId], output: &[TokenId]) {
+    if p.repetition_penalty != 1.0 {
+        let mut done = std::collections::HashSet::new();
+        for &t in seen {
+            if let Some(l) = logits.get_mut(t as usize) {
+                if done.insert(t) {
+                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                }
+            }
+        }
+    }
+    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        let mut counts = std::collections::HashMap::new();
+        for &t in output {
+            *counts.entry(t).or_insert(0u32) += 1;
+        }
+        for (t, n) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= p.presence_penalty + p.frequency_penalty * n as f32;
+            }
+        }
     }
 }
 
@@ -162,6 +190,12 @@ pub fn sample(logits: &mut [f32], p: &SamplingParams, index: usize) -> TokenId {
     for c in cand.iter_mut() {
         c.1 = (c.1 - max).exp();
         total += f64::from(c.1);
+    }
+    if p.min_p > 0.0 {
+        // Probabilities relative to the most likely token are exp(l - max) = c.1 here.
+        let keep = cand.iter().position(|c| c.1 < p.min_p).unwrap_or(cand.len()).max(1);
+        cand.truncate(keep);
+        total = cand.iter().map(|c| f64::from(c.1)).sum();
     }
     if p.top_p < 1.0 {
         let mut acc = 0.0f64;
@@ -224,6 +258,35 @@ mod tests {
         let a: Vec<_> = (0..20).map(|i| draw(42, i)).collect();
         let b: Vec<_> = (0..20).map(|i| draw(43, i)).collect();
         assert_ne!(a, b, "different seeds differ somewhere in 20 draws");
+    }
+
+    #[test]
+    fn penalties_follow_vllm() {
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..SamplingParams::default()
+        };
+        let mut l = vec![4.0, -4.0, 1.0, 1.0];
+        // Token 0 in the prompt only, token 1 generated twice, token 2 once.
+        penalize(&mut l, &p, &[0, 3, 1, 2, 1], &[1, 2, 1]);
+        assert_eq!(l, vec![2.0, -8.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.25, 0.5]);
+        // Greedy sees the penalties too.
+        let mut l = vec![3.0, 2.9];
+        penalize(&mut l, &SamplingParams { presence_penalty: 1.0, ..SamplingParams::default() }, &[0], &[0]);
+        assert_eq!(sample(&mut l, &params(0.0, 0, 1.0, 0), 1), 1);
+    }
+
+    #[test]
+    fn min_p_drops_unlikely_tokens() {
+        let logits = vec![2.0, 1.9, -3.0, -4.0];
+        let mut p = params(1.0, 0, 1.0, 0);
+        p.min_p = 0.5;
+        for seed in 0..200 {
+            p.seed = seed;
+            assert!(sample(&mut logits.clone(), &p, 0) <= 1);
+        }
     }
 
     #[test]

@@ -30,6 +30,15 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// Top-k cutoff (0 or -1 = off).
     pub top_k: i32,
+    /// Drop tokens less likely than `min_p` × the most likely one (0 = off).
+    pub min_p: f32,
+    /// Divide positive logits (multiply negative ones) of tokens already seen, prompt
+    /// included (1 = off).
+    pub repetition_penalty: f32,
+    /// Subtract this once from the logit of every token already generated.
+    pub presence_penalty: f32,
+    /// Subtract this × the count of every token already generated.
+    pub frequency_penalty: f32,
     /// Seed of this request's sampler.
     pub seed: u64,
 }
@@ -45,6 +54,10 @@ impl Default for SamplingParams {
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0,
         }
     }

@@ -76,6 +76,10 @@ pub struct CommonParams {
     pub min_tokens: Option<i64>,
     /// Presence penalty (accepted; the sim backend ignores it).
     pub presence_penalty: Option<f64>,
+    /// vLLM extension: minimum probability relative to the most likely token.
+    pub min_p: Option<f64>,
+    /// vLLM extension: repetition penalty (> 0, 1 = off).
+    pub repetition_penalty: Option<f64>,
     /// Frequency penalty (accepted; the sim backend ignores it).
     pub frequency_penalty: Option<f64>,
     /// Log probabilities (not supported yet).
@@ -339,6 +343,17 @@ pub fn sampling_params(
             }
         }
     }
+    let min_p = c.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::invalid("min_p", format!("min_p must be in [0, 1], got {min_p}")));
+    }
+    let repetition_penalty = c.repetition_penalty.unwrap_or(1.0);
+    if !(repetition_penalty > 0.0 && repetition_penalty <= 10.0) {
+        return Err(ApiError::invalid(
+            "repetition_penalty",
+            format!("repetition_penalty must be in (0, 10], got {repetition_penalty}"),
+        ));
+    }
     let min_tokens = match c.min_tokens {
         None => 0,
         Some(v) if v < 0 => return Err(ApiError::invalid("min_tokens", format!("min_tokens must be >= 0, got {v}"))),
@@ -376,6 +391,10 @@ pub fn sampling_params(
         temperature: temperature as f32,
         top_p: top_p as f32,
         top_k: top_k as i32,
+        min_p: min_p as f32,
+        repetition_penalty: repetition_penalty as f32,
+        presence_penalty: c.presence_penalty.unwrap_or(0.0) as f32,
+        frequency_penalty: c.frequency_penalty.unwrap_or(0.0) as f32,
         seed: c.seed.map_or(default_seed, |s| s as u64),
     })
 }
