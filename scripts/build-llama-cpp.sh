@@ -9,7 +9,7 @@ VERSION=0.3.36
 DIR="$PWD/.cache/llama.cpp"
 SRC="$DIR/llama_cpp_python-$VERSION"
 BUILD="$DIR/build"
-if [ -x "$BUILD/bin/llama-server" ] && [ -f "$BUILD/bin/libllama.so" ]; then
+if [ -x "$BUILD/bin/llama-server" ] && [ -f "$BUILD/bin/libllama.so" ] && grep -q "GGML_NATIVE:BOOL=OFF" "$BUILD/CMakeCache.txt"; then
   echo "llama.cpp already built in $BUILD"
   exit 0
 fi
@@ -21,7 +21,14 @@ if [ ! -d "$SRC/vendor/llama.cpp" ]; then
   tar xzf "$DIR/llama_cpp_python-$VERSION.tar.gz" -C "$DIR"
 fi
 command -v cmake >/dev/null || scripts/setup.sh
+# Not -march=native: this VM advertises AMX, but its first tile instruction (ldtilecfg) dies
+# with SIGILL, and GGML_NATIVE turns on ggml's AMX kernels. Everything else the CPU has is on.
+avx512=OFF
+grep -q avx512_vnni /proc/cpuinfo && avx512=ON
 cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-  -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+  -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+  -DGGML_AVX512="$avx512" -DGGML_AVX512_VNNI="$avx512" -DGGML_AVX512_VBMI="$avx512" -DGGML_AVX512_BF16="$avx512" \
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 cmake --build "$BUILD" -j "$(nproc)" --target llama-server llama-bench llama
 ls "$BUILD/bin"
