@@ -180,12 +180,17 @@ pub fn sample(logits: &mut [f32], p: &SamplingParams, index: usize) -> TokenId {
     if cand.is_empty() {
         return argmax(logits);
     }
-    // Highest first; ties by lower id (deterministic).
-    cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    if p.top_k > 0 {
+    // Highest first, ties by lower id — only as far as the filters need: top-k selects its k
+    // first; top-p and min-p need the order; plain sampling needs none (id order).
+    let by_logit = |a: &(TokenId, f32), b: &(TokenId, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    if p.top_k > 0 && (p.top_k as usize) < cand.len() {
+        cand.select_nth_unstable_by(p.top_k as usize - 1, by_logit);
         cand.truncate(p.top_k as usize);
     }
-    let max = cand[0].1;
+    if p.top_p < 1.0 || p.min_p > 0.0 || p.top_k > 0 {
+        cand.sort_unstable_by(by_logit);
+    }
+    let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
     let mut total = 0.0f64;
     for c in cand.iter_mut() {
         c.1 = (c.1 - max).exp();
