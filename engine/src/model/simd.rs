@@ -431,30 +431,24 @@ mod vnni {
             #[inline]
             #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
             unsafe fn $tile<const N: usize>(row: &[u8], xq: &[Q8Block], blocks: usize, start: usize, out: &mut [f32]) {
-                // A single token (decode) takes four accumulators in turn, so consecutive FMAs
-                // do not wait on each other (else: FMA latency, one block per 4 cycles); a
-                // tile of 4 tokens already has 4 independent chains and keeps one each.
-                let mut acc = [[_mm256_setzero_ps(); 4]; N];
+                let mut acc = [_mm256_setzero_ps(); N];
                 let mut mins = [0f32; N];
-                let xs = &xq[start * blocks..(start + N) * blocks];
                 for (bi, $b) in row.chunks_exact($bytes).enumerate() {
                     // SAFETY: `$b` is one whole block of `$bytes` bytes.
                     let (d, m, w) = unsafe { $unpack };
                     let wu = if $signed { _mm256_sign_epi8(w, w) } else { w };
-                    let lane = if N == 1 { bi & 3 } else { 0 };
                     for j in 0..N {
-                        let a = &xs[j * blocks + bi];
+                        let a = &xq[(start + j) * blocks + bi];
                         // SAFETY: `a.qs` is 32 bytes.
                         let x = unsafe { load_q8(a) };
                         let x = if $signed { _mm256_sign_epi8(x, w) } else { x };
                         let p = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, x));
-                        acc[j][lane] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), p, acc[j][lane]);
+                        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), p, acc[j]);
                         mins[j] += m * a.s;
                     }
                 }
                 for j in 0..N {
-                    let [a0, a1, a2, a3] = acc[j];
-                    out[start + j] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) + mins[j];
+                    out[start + j] = hsum(acc[j]) + mins[j];
                 }
             }
 
