@@ -3,8 +3,9 @@
 
 Both serve SmolLM2-135M-Instruct Q4_1 (`.cache/models`, fetched by scripts/setup.sh); the
 anchor is built by scripts/build-llama-cpp.sh (llama.cpp vendored in the llama-cpp-python
-sdist). The servers run one after the other (never together), each with 2 threads and 16
-slots/sequences, and are measured with switchyard-loadtest over the OpenAI completions API:
+sdist). Both servers are up at once but only one is loaded at a time, each with 2 threads and 16
+slots/sequences; rounds alternate between them (median of 3). Measured with
+switchyard-loadtest over the OpenAI completions API:
 
 1. single-stream decode: 1 stream, 16-token prompt, 128 output tokens → 1000 / mean ITL;
 2. prompt processing: 1 stream, 512-token prompt, 1 output token → prompt tokens / TTFT;
@@ -65,35 +66,46 @@ def serve(name):
     return p, f"http://127.0.0.1:{port}"
 
 
-def loadtest(name, url, out, *args):
+def loadtest(name, url, out, *args, seed=1):
+    # A fresh seed per round: the prompts must not be in either server's prompt cache.
     d = os.path.join(WORK, f"{name}-{out}")
-    cmd = [f"{BIN}/switchyard-loadtest", "run", "--endpoint", "completions", "--model", "smollm2", "--seed", "1",
+    cmd = [f"{BIN}/switchyard-loadtest", "run", "--endpoint", "completions", "--model", "smollm2", "--seed", str(seed),
            "--target", f"{name}={url}", "--out", d, *args]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(os.path.join(d, "summary.json")) as f:
         return json.load(f)["targets"][0]
 
 
-def measure(name):
-    p, url = serve(name)
+def one_round(name, url, r):
+    t = loadtest(name, url, f"single-{r}", "--concurrency", "1", "--requests", "3", "--input-len", "16",
+                 "--output-len", "128", seed=100 + r)
+    single = 1000.0 / t["itl_ms"]["mean"]
+    t = loadtest(name, url, f"prompt-{r}", "--concurrency", "1", "--requests", "3", "--input-len", "512",
+                 "--output-len", "1", seed=200 + r)
+    prompt = 512 / (t["ttft_ms"]["p50"] / 1000.0)
+    t = loadtest(name, url, f"agg-{r}", "--concurrency", "16", "--requests", "48", "--input-len", "64",
+                 "--output-len", "128", seed=300 + r)
+    return {"single": single, "prompt": prompt, "aggregate": t["output_tokens_per_s"]}
+
+
+def measure_both():
+    """Both servers up (the idle one sleeps); rounds alternate so drift on this shared VM hits both."""
+    servers = {name: serve(name) for name in ["switchyard", "llama.cpp"]}
     try:
-        loadtest(name, url, "warmup", "--concurrency", "1", "--requests", "2", "--input-len", "16", "--output-len", "16")
-        single, pp, agg = [], [], []
+        for name, (_, url) in servers.items():
+            loadtest(name, url, "warmup", "--concurrency", "1", "--requests", "2", "--input-len", "16",
+                     "--output-len", "16")
+        rounds = {name: [] for name in servers}
         for r in range(REPS):
-            t = loadtest(name, url, f"single-{r}", "--concurrency", "1", "--requests", "3", "--input-len", "16",
-                         "--output-len", "128")
-            single.append(1000.0 / t["itl_ms"]["mean"])
-            t = loadtest(name, url, f"prompt-{r}", "--concurrency", "1", "--requests", "3", "--input-len", "512",
-                         "--output-len", "1")
-            pp.append(512 / (t["ttft_ms"]["p50"] / 1000.0))
-            t = loadtest(name, url, f"agg-{r}", "--concurrency", "16", "--requests", "48", "--input-len", "64",
-                         "--output-len", "128")
-            agg.append(t["output_tokens_per_s"])
+            for name, (_, url) in servers.items():
+                rounds[name].append(one_round(name, url, r))
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-        return {"single": med(single), "prompt": med(pp), "aggregate": med(agg)}
+        return {name: {k: med([x[k] for x in rs]) for k in ["single", "prompt", "aggregate"]}
+                for name, rs in rounds.items()}
     finally:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.wait()
+        for p, _ in servers.values():
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait()
 
 
 def main():
@@ -104,7 +116,8 @@ def main():
     subprocess.run(["cargo", "build", "--release", "--locked", "-p", "switchyard-engine", "-p", "switchyard-loadtest"],
                    cwd=ROOT, check=True)
     os.makedirs(WORK, exist_ok=True)
-    ours, theirs = measure("switchyard"), measure("llama.cpp")
+    both = measure_both()
+    ours, theirs = both["switchyard"], both["llama.cpp"]
     print("\n## cpu backend vs llama.cpp (SmolLM2-135M-Instruct Q4_1, 2 threads, same 2 cores)\n")
     print(f"| figure (median of {REPS}) | switchyard | llama.cpp | ratio | bar |")
     print("|---|---:|---:|---:|---|")
