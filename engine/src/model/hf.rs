@@ -13,7 +13,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 use super::gguf::GgmlType;
-use super::llama::{LayerWeights, Llama, LlamaConfig, Matrix, ModelError, RopeStyle};
+use super::llama::{LayerNames, LayerWeights, Llama, LlamaConfig, Matrix, ModelError, RopeStyle};
 use super::quant::dequantize_row;
 use super::tokenizer::{ModelTokenizer, TokenizerError};
 
@@ -184,21 +184,21 @@ pub fn load(dir: &Path) -> Result<(Llama, ModelTokenizer), HfError> {
         dequantize_row(t.ty, &all[t.start..t.start + t.len], &mut out)?;
         Ok(out)
     };
-    let (d, kv, f) = (cfg.dim, cfg.kv_dim(), cfg.ffn_dim);
+    const HF_LAYER: LayerNames = LayerNames {
+        attn_norm: "input_layernorm",
+        q: "self_attn.q_proj",
+        k: "self_attn.k_proj",
+        v: "self_attn.v_proj",
+        o: "self_attn.o_proj",
+        ffn_norm: "post_attention_layernorm",
+        gate: "mlp.gate_proj",
+        up: "mlp.up_proj",
+        down: "mlp.down_proj",
+    };
+    let d = cfg.dim;
     let layers = (0..cfg.n_layers)
         .map(|i| {
-            let p = |s: &str| format!("model.layers.{i}.{s}.weight");
-            Ok(LayerWeights {
-                attn_norm: vector(&p("input_layernorm"), d)?,
-                wq: matrix(&p("self_attn.q_proj"), d, d)?,
-                wk: matrix(&p("self_attn.k_proj"), kv, d)?,
-                wv: matrix(&p("self_attn.v_proj"), kv, d)?,
-                wo: matrix(&p("self_attn.o_proj"), d, d)?,
-                ffn_norm: vector(&p("post_attention_layernorm"), d)?,
-                w_gate: matrix(&p("mlp.gate_proj"), f, d)?,
-                w_up: matrix(&p("mlp.up_proj"), f, d)?,
-                w_down: matrix(&p("mlp.down_proj"), d, f)?,
-            })
+            LayerWeights::load(&cfg, |part| format!("model.layers.{i}.{part}.weight"), &HF_LAYER, &matrix, &vector)
         })
         .collect::<Result<Vec<_>, ModelError>>()?;
     let embed = matrix("model.embed_tokens.weight", cfg.vocab, d)?;

@@ -175,6 +175,60 @@ pub struct LayerWeights {
     pub w_down: Matrix,
 }
 
+/// What one file format calls the tensors of a block (the part of the name that varies).
+#[derive(Debug, Clone, Copy)]
+pub struct LayerNames {
+    /// RMSNorm before attention.
+    pub attn_norm: &'static str,
+    /// Query projection.
+    pub q: &'static str,
+    /// Key projection.
+    pub k: &'static str,
+    /// Value projection.
+    pub v: &'static str,
+    /// Attention output projection.
+    pub o: &'static str,
+    /// RMSNorm before the MLP.
+    pub ffn_norm: &'static str,
+    /// Gate projection.
+    pub gate: &'static str,
+    /// Up projection.
+    pub up: &'static str,
+    /// Down projection.
+    pub down: &'static str,
+}
+
+/// A file format's matrix lookup: `(name, rows, cols)` → the checked matrix.
+pub type MatrixLookup<'a> = dyn Fn(&str, usize, usize) -> Result<Matrix, ModelError> + 'a;
+/// A file format's vector lookup: `(name, len)` → the values as f32.
+pub type VectorLookup<'a> = dyn Fn(&str, usize) -> Result<Vec<f32>, ModelError> + 'a;
+
+impl LayerWeights {
+    /// Load one block through a file format's lookups: `name(part)` is the full tensor name of
+    /// a part of `names`; `matrix(name, rows, cols)` and `vector(name, n)` fetch and check it.
+    /// The shapes every format must have are stated here, once.
+    pub fn load(
+        cfg: &LlamaConfig,
+        name: impl Fn(&str) -> String,
+        names: &LayerNames,
+        matrix: &MatrixLookup<'_>,
+        vector: &VectorLookup<'_>,
+    ) -> Result<Self, ModelError> {
+        let (d, kv, f) = (cfg.dim, cfg.kv_dim(), cfg.ffn_dim);
+        Ok(LayerWeights {
+            attn_norm: vector(&name(names.attn_norm), d)?,
+            wq: matrix(&name(names.q), d, d)?,
+            wk: matrix(&name(names.k), kv, d)?,
+            wv: matrix(&name(names.v), kv, d)?,
+            wo: matrix(&name(names.o), d, d)?,
+            ffn_norm: vector(&name(names.ffn_norm), d)?,
+            w_gate: matrix(&name(names.gate), f, d)?,
+            w_up: matrix(&name(names.up), f, d)?,
+            w_down: matrix(&name(names.down), d, f)?,
+        })
+    }
+}
+
 /// A loaded Llama model.
 #[derive(Debug, Clone)]
 pub struct Llama {
@@ -294,22 +348,19 @@ impl Llama {
             dequantize_row(t.ty, file.data(t), &mut out)?;
             Ok(out)
         };
-        let kv = cfg.kv_dim();
+        const GGUF_LAYER: LayerNames = LayerNames {
+            attn_norm: "attn_norm",
+            q: "attn_q",
+            k: "attn_k",
+            v: "attn_v",
+            o: "attn_output",
+            ffn_norm: "ffn_norm",
+            gate: "ffn_gate",
+            up: "ffn_up",
+            down: "ffn_down",
+        };
         let layers = (0..cfg.n_layers)
-            .map(|i| {
-                let p = |s: &str| format!("blk.{i}.{s}.weight");
-                Ok(LayerWeights {
-                    attn_norm: vector(&p("attn_norm"), dim)?,
-                    wq: matrix(&p("attn_q"), dim, dim)?,
-                    wk: matrix(&p("attn_k"), kv, dim)?,
-                    wv: matrix(&p("attn_v"), kv, dim)?,
-                    wo: matrix(&p("attn_output"), dim, dim)?,
-                    ffn_norm: vector(&p("ffn_norm"), dim)?,
-                    w_gate: matrix(&p("ffn_gate"), cfg.ffn_dim, dim)?,
-                    w_up: matrix(&p("ffn_up"), cfg.ffn_dim, dim)?,
-                    w_down: matrix(&p("ffn_down"), dim, cfg.ffn_dim)?,
-                })
-            })
+            .map(|i| LayerWeights::load(&cfg, |part| format!("blk.{i}.{part}.weight"), &GGUF_LAYER, &matrix, &vector))
             .collect::<Result<Vec<_>, ModelError>>()?;
         let embed = matrix("token_embd.weight", vocab, dim)?;
         let lm_head =
@@ -362,6 +413,9 @@ impl Llama {
         let mut att = vec![0f32; t * dim];
         let mut o = vec![0f32; t * dim];
         let (mut g, mut u) = (vec![0f32; t * c.ffn_dim], vec![0f32; t * c.ffn_dim]);
+        // Where each row's positions 0..=pos live in the cache: the same in every layer.
+        let slots: Vec<Vec<usize>> =
+            rows.iter().map(|&(s, pos)| (0..=pos).map(|p| kv.slot(seqs[s].block_table, p)).collect()).collect();
         for (li, l) in self.layers.iter().enumerate() {
             rmsnorm(&x, &l.attn_norm, c.eps, &mut n);
             matmul(&[&l.wq, &l.wk, &l.wv], &n, &mut [&mut q, &mut k, &mut v], &mut scratch)?;
@@ -371,16 +425,15 @@ impl Llama {
             }
             // Write this step's K/V first: a token attends to itself and to the earlier
             // tokens of its own chunk.
-            for (r, &(s, pos)) in rows.iter().enumerate() {
-                let at = kv.slot(seqs[s].block_table, pos);
+            for (r, row_slots) in slots.iter().enumerate() {
+                let at = row_slots[row_slots.len() - 1];
                 kv.k[li][at..at + kvd].copy_from_slice(&k[r * kvd..(r + 1) * kvd]);
                 kv.v[li][at..at + kvd].copy_from_slice(&v[r * kvd..(r + 1) * kvd]);
             }
             let (kc, vc) = (&kv.k[li], &kv.v[li]);
-            let kvs: &KvStore = kv;
             let kernel = scratch.kernel;
-            att.par_chunks_mut(dim).zip(q.par_chunks(dim)).zip(rows.par_iter()).for_each(|((out, qr), &(s, pos))| {
-                attend(kernel, c, qr, out, pos, |p| kvs.slot(seqs[s].block_table, p), kc, vc);
+            att.par_chunks_mut(dim).zip(q.par_chunks(dim)).zip(slots.par_iter()).for_each(|((out, qr), row_slots)| {
+                attend(kernel, c, qr, out, row_slots, kc, vc);
             });
             matmul(&[&l.wo], &att, &mut [&mut o], &mut scratch)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
@@ -429,28 +482,17 @@ fn tensor_err(name: &str, reason: impl Into<String>) -> ModelError {
     ModelError::Tensor { name: name.to_string(), reason: reason.into() }
 }
 
-/// Attention of one query row at position `pos` over positions `0..=pos`.
-#[allow(clippy::too_many_arguments)]
-fn attend(
-    k: Kernel,
-    c: &LlamaConfig,
-    q: &[f32],
-    out: &mut [f32],
-    pos: usize,
-    slot: impl Fn(usize) -> usize,
-    kc: &[f32],
-    vc: &[f32],
-) {
+/// Attention of one query row over the cache offsets `slots` of its positions `0..=pos`.
+fn attend(k: Kernel, c: &LlamaConfig, q: &[f32], out: &mut [f32], slots: &[usize], kc: &[f32], vc: &[f32]) {
     let hd = c.head_dim();
     let group = c.n_heads / c.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut scores = vec![0f32; pos + 1];
-    let slots: Vec<usize> = (0..=pos).map(slot).collect();
+    let mut scores = vec![0f32; slots.len()];
     for h in 0..c.n_heads {
         let kvh = h / group;
         let qh = &q[h * hd..(h + 1) * hd];
         let mut max = f32::NEG_INFINITY;
-        for (s, &at) in scores.iter_mut().zip(&slots) {
+        for (s, &at) in scores.iter_mut().zip(slots) {
             *s = dot_f32(k, qh, &kc[at + kvh * hd..at + (kvh + 1) * hd]) * scale;
             max = max.max(*s);
         }
@@ -462,7 +504,7 @@ fn attend(
         let oh = &mut out[h * hd..(h + 1) * hd];
         oh.fill(0.0);
         let inv = 1.0 / sum;
-        for (s, &at) in scores.iter().zip(&slots) {
+        for (s, &at) in scores.iter().zip(slots) {
             axpy(k, s * inv, &vc[at + kvh * hd..at + (kvh + 1) * hd], oh);
         }
     }
