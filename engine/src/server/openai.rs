@@ -74,13 +74,13 @@ pub struct CommonParams {
     pub ignore_eos: Option<bool>,
     /// Minimum tokens before EOS/stop (vLLM).
     pub min_tokens: Option<i64>,
-    /// Presence penalty (accepted; the sim backend ignores it).
+    /// Presence penalty (applied by the cpu backend; the sim backend ignores it).
     pub presence_penalty: Option<f64>,
     /// vLLM extension: minimum probability relative to the most likely token.
     pub min_p: Option<f64>,
     /// vLLM extension: repetition penalty (> 0, 1 = off).
     pub repetition_penalty: Option<f64>,
-    /// Frequency penalty (accepted; the sim backend ignores it).
+    /// Frequency penalty (applied by the cpu backend; the sim backend ignores it).
     pub frequency_penalty: Option<f64>,
     /// Log probabilities (not supported yet).
     pub logprobs: Option<serde_json::Value>,
