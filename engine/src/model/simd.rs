@@ -156,6 +156,53 @@ pub fn dot_row_tokens(
     Ok(())
 }
 
+/// A batched integer kernel — one weight row against `out.len()` token rows of Q8 activations —
+/// for a set of target features: tiles of 4 tokens (then single tokens), each weight block
+/// unpacked once per tile (`unpack` → scale `d`, min `m`, 32 weight bytes) and met by every
+/// token of the tile with `sum` (32 products → 8 f32 lanes). Each token's blocks accumulate
+/// in one chain in block order, whatever the tile: a token's result never depends on its batch.
+#[cfg(target_arch = "x86_64")]
+macro_rules! batched_kernel {
+    ($name:ident, $tile:ident, $features:literal, $bytes:expr, $sum:ident, |$b:ident| $unpack:expr) => {
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn $tile<const N: usize>(row: &[u8], xq: &[Q8Block], blocks: usize, start: usize, out: &mut [f32]) {
+            let mut acc = [_mm256_setzero_ps(); N];
+            let mut mins = [0f32; N];
+            for (bi, $b) in row.chunks_exact($bytes).enumerate() {
+                // SAFETY: `$b` is one whole block of `$bytes` bytes.
+                let (d, m, w) = unsafe { $unpack };
+                for j in 0..N {
+                    let a = &xq[(start + j) * blocks + bi];
+                    // SAFETY: `a.qs` is 32 bytes.
+                    let x = unsafe { load_q8(a) };
+                    acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), $sum(w, x), acc[j]);
+                    mins[j] += m * a.s;
+                }
+            }
+            for j in 0..N {
+                out[start + j] = hsum(acc[j]) + mins[j];
+            }
+        }
+
+        /// `out[t] = row · xq[t]` for every token row `t` of `xq` (`blocks` blocks each).
+        #[target_feature(enable = $features)]
+        pub unsafe fn $name(row: &[u8], xq: &[Q8Block], blocks: usize, out: &mut [f32]) {
+            let t = out.len();
+            let mut start = 0;
+            // SAFETY (both calls): the caller checked the extents of `row` and `xq`.
+            while start + 4 <= t {
+                unsafe { $tile::<4>(row, xq, blocks, start, out) };
+                start += 4;
+            }
+            while start < t {
+                unsafe { $tile::<1>(row, xq, blocks, start, out) };
+                start += 1;
+            }
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -261,64 +308,16 @@ mod avx2 {
         hsum(acc)
     }
 
-    /// One weight block against the same block of several token rows: the weights are
-    /// unpacked once and meet each token's activations in turn.
-    macro_rules! tiled {
-        ($name:ident, $bytes:expr, |$b:ident| $unpack:expr, $sum:ident, $min:expr) => {
-            /// `out[t] = row · xq[t]` for every token row `t` of `xq` (`blocks` blocks each).
-            #[target_feature(enable = "avx2,fma,f16c")]
-            pub unsafe fn $name(row: &[u8], xq: &[Q8Block], blocks: usize, out: &mut [f32]) {
-                const TILE: usize = 4;
-                let t = out.len();
-                let mut start = 0;
-                while start < t {
-                    let n = TILE.min(t - start);
-                    let mut acc = [_mm256_setzero_ps(); TILE];
-                    let mut mins = [0f32; TILE];
-                    for (bi, $b) in row.chunks_exact($bytes).enumerate() {
-                        // SAFETY: `$b` is one whole block of `$bytes` bytes.
-                        let (d, m, w) = unsafe { $unpack };
-                        for j in 0..n {
-                            let a = &xq[(start + j) * blocks + bi];
-                            // SAFETY: `a.qs` is 32 bytes.
-                            let x = unsafe { load_q8(a) };
-                            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), $sum(w, x), acc[j]);
-                            mins[j] += $min(m, a);
-                        }
-                    }
-                    for j in 0..n {
-                        out[start + j] = hsum(acc[j]) + mins[j];
-                    }
-                    start += n;
-                }
-            }
-        };
-    }
-
-    tiled!(
-        q4_1_tokens,
-        20,
-        |b| {
-            let (d, m) = halves(b);
-            (d, m, nibbles(b.as_ptr().add(4)))
-        },
-        i32_sum_u8_i8,
-        |m: f32, a: &Q8Block| m * a.s
-    );
-    tiled!(
-        q4_0_tokens,
-        18,
-        |b| (half(b), 0.0f32, _mm256_sub_epi8(nibbles(b.as_ptr().add(2)), _mm256_set1_epi8(8))),
-        i32_sum_i8_i8,
-        |_m: f32, _a: &Q8Block| 0.0
-    );
-    tiled!(
-        q8_0_tokens,
-        34,
-        |b| (half(b), 0.0f32, _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i)),
-        i32_sum_i8_i8,
-        |_m: f32, _a: &Q8Block| 0.0
-    );
+    batched_kernel!(q4_1_tokens, q4_1_tile, "avx2,fma,f16c", 20, i32_sum_u8_i8, |b| {
+        let (d, m) = halves(b);
+        (d, m, nibbles(b.as_ptr().add(4)))
+    });
+    batched_kernel!(q4_0_tokens, q4_0_tile, "avx2,fma,f16c", 18, i32_sum_i8_i8, |b| {
+        (half(b), 0.0f32, _mm256_sub_epi8(nibbles(b.as_ptr().add(2)), _mm256_set1_epi8(8)))
+    });
+    batched_kernel!(q8_0_tokens, q8_0_tile, "avx2,fma,f16c", 34, i32_sum_i8_i8, |b| {
+        (half(b), 0.0f32, _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i))
+    });
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
@@ -417,8 +416,7 @@ mod avx2 {
     }
 }
 
-/// The batched integer kernels with AVX-512 VNNI: tiles of 4 token rows (then single rows),
-/// each weight block unpacked once per tile.
+/// The batched integer kernels with AVX-512 VNNI: one `vpdpbusd` replaces `maddubs` + `madd`.
 #[cfg(target_arch = "x86_64")]
 mod vnni {
     use std::arch::x86_64::*;
@@ -426,58 +424,28 @@ mod vnni {
     use super::super::quant::Q8Block;
     use super::avx2::{half, halves, hsum, load_q8, nibbles};
 
-    macro_rules! kernel {
-        ($name:ident, $tile:ident, $bytes:expr, signed = $signed:expr, |$b:ident| $unpack:expr) => {
-            #[inline]
-            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-            unsafe fn $tile<const N: usize>(row: &[u8], xq: &[Q8Block], blocks: usize, start: usize, out: &mut [f32]) {
-                let mut acc = [_mm256_setzero_ps(); N];
-                let mut mins = [0f32; N];
-                for (bi, $b) in row.chunks_exact($bytes).enumerate() {
-                    // SAFETY: `$b` is one whole block of `$bytes` bytes.
-                    let (d, m, w) = unsafe { $unpack };
-                    let wu = if $signed { _mm256_sign_epi8(w, w) } else { w };
-                    for j in 0..N {
-                        let a = &xq[(start + j) * blocks + bi];
-                        // SAFETY: `a.qs` is 32 bytes.
-                        let x = unsafe { load_q8(a) };
-                        let x = if $signed { _mm256_sign_epi8(x, w) } else { x };
-                        let p = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, x));
-                        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), p, acc[j]);
-                        mins[j] += m * a.s;
-                    }
-                }
-                for j in 0..N {
-                    out[start + j] = hsum(acc[j]) + mins[j];
-                }
-            }
-
-            /// `out[t] = row · xq[t]` for every token row `t` of `xq` (`blocks` blocks each).
-            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-            pub unsafe fn $name(row: &[u8], xq: &[Q8Block], blocks: usize, out: &mut [f32]) {
-                let t = out.len();
-                let mut start = 0;
-                // SAFETY (all calls): the caller checked `row` and `xq` extents.
-                while start + 4 <= t {
-                    unsafe { $tile::<4>(row, xq, blocks, start, out) };
-                    start += 4;
-                }
-                while start < t {
-                    unsafe { $tile::<1>(row, xq, blocks, start, out) };
-                    start += 1;
-                }
-            }
-        };
+    /// `u8 × i8` pairs of 4 summed into i32 lanes by one `vpdpbusd`, as f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    fn dp_u8_i8(w: __m256i, a: __m256i) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a))
     }
 
-    kernel!(q4_1_tokens, q4_1_tile, 20, signed = false, |b| {
+    /// Signed weights: `|w| × (a · sign(w))`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    fn dp_i8_i8(w: __m256i, a: __m256i) -> __m256 {
+        dp_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
+    }
+
+    batched_kernel!(q4_1_tokens, q4_1_tile, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 20, dp_u8_i8, |b| {
         let (d, m) = halves(b);
         (d, m, nibbles(b.as_ptr().add(4)))
     });
-    kernel!(q4_0_tokens, q4_0_tile, 18, signed = true, |b| {
+    batched_kernel!(q4_0_tokens, q4_0_tile, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 18, dp_i8_i8, |b| {
         (half(b), 0.0f32, _mm256_sub_epi8(nibbles(b.as_ptr().add(2)), _mm256_set1_epi8(8)))
     });
-    kernel!(q8_0_tokens, q8_0_tile, 34, signed = true, |b| {
+    batched_kernel!(q8_0_tokens, q8_0_tile, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 34, dp_i8_i8, |b| {
         (half(b), 0.0f32, _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i))
     });
 }
