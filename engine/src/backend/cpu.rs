@@ -123,8 +123,8 @@ impl Backend for CpuBackend {
             Ok(logits) => sampling
                 .zip(logits)
                 .map(|(s, mut l)| {
-                    if !s.eos_allowed {
-                        l[self.eos as usize] = f32::NEG_INFINITY;
+                    if let (false, Some(e)) = (s.eos_allowed, l.get_mut(self.eos as usize)) {
+                        *e = f32::NEG_INFINITY;
                     }
                     let output = &s.tokens[s.tokens.len().saturating_sub(s.num_output_tokens)..];
                     penalize(&mut l, s.params, s.tokens, output);

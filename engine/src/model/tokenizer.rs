@@ -125,8 +125,8 @@ impl ModelTokenizer {
                       "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
                       "vocab": vocab, "merges": merges},
         });
-        let inner = tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&doc).expect("a JSON value serializes"))
-            .map_err(|e| TokenizerError::Build(e.to_string()))?;
+        let inner =
+            tokenizers::Tokenizer::from_bytes(doc.to_string()).map_err(|e| TokenizerError::Build(e.to_string()))?;
         let id = |key: &str| h.get(key).and_then(Value::as_u64).map(|v| v as TokenId);
         let eos =
             id("tokenizer.ggml.eos_token_id").ok_or_else(|| meta_err("tokenizer.ggml.eos_token_id", "missing"))?;
