@@ -21,8 +21,8 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::gguf::{GgmlType, GgufError, GgufFile};
-use super::quant::{dequantize_row, quantize_q8, Q8Block, QuantError};
-use super::simd::{axpy, dot_f32, dot_row, dot_row_tokens, Kernel};
+use super::quant::{dequantize_row, QuantError};
+use super::simd::{attend, dot_row, dot_rows_tokens, AttnShape, Kernel, KvRows, QuantizedActs};
 use crate::kv::BlockId;
 use crate::tokenizer::TokenId;
 
@@ -64,6 +64,11 @@ impl LlamaConfig {
     /// Dimensions per head.
     pub fn head_dim(&self) -> usize {
         self.dim / self.n_heads
+    }
+
+    /// The heads attention runs over.
+    pub fn attn_shape(&self) -> AttnShape {
+        AttnShape { n_heads: self.n_heads, n_kv_heads: self.n_kv_heads, head_dim: self.head_dim() }
     }
 
     /// Floats of K (or of V) per token per layer.
@@ -144,6 +149,13 @@ impl Matrix {
         let n = self.row_bytes();
         let all: &[u8] = (*self.buf).as_ref();
         &all[self.start + r * n..self.start + (r + 1) * n]
+    }
+
+    /// The bytes of rows `r..r + n`.
+    pub fn rows_bytes(&self, r: usize, n: usize) -> &[u8] {
+        let b = self.row_bytes();
+        let all: &[u8] = (*self.buf).as_ref();
+        &all[self.start + r * b..self.start + (r + n) * b]
     }
 
     /// Row `r` as f32.
@@ -431,10 +443,13 @@ impl Llama {
                 kv.v[li][at..at + kvd].copy_from_slice(&v[r * kvd..(r + 1) * kvd]);
             }
             let (kc, vc) = (&kv.k[li], &kv.v[li]);
-            let kernel = scratch.kernel;
-            att.par_chunks_mut(dim).zip(q.par_chunks(dim)).zip(slots.par_iter()).for_each(|((out, qr), row_slots)| {
-                attend(kernel, c, qr, out, row_slots, kc, vc);
-            });
+            let (kernel, shape) = (scratch.kernel, c.attn_shape());
+            att.par_chunks_mut(dim)
+                .zip(q.par_chunks(dim))
+                .zip(slots.par_iter())
+                .for_each_init(Vec::new, |scores, ((out, qr), slots)| {
+                    attend(kernel, shape, qr, out, KvRows { k: kc, v: vc, slots }, scores)
+                });
             matmul(&[&l.wo], &att, &mut [&mut o], &mut scratch)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
 
@@ -482,34 +497,6 @@ fn tensor_err(name: &str, reason: impl Into<String>) -> ModelError {
     ModelError::Tensor { name: name.to_string(), reason: reason.into() }
 }
 
-/// Attention of one query row over the cache offsets `slots` of its positions `0..=pos`.
-fn attend(k: Kernel, c: &LlamaConfig, q: &[f32], out: &mut [f32], slots: &[usize], kc: &[f32], vc: &[f32]) {
-    let hd = c.head_dim();
-    let group = c.n_heads / c.n_kv_heads;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let mut scores = vec![0f32; slots.len()];
-    for h in 0..c.n_heads {
-        let kvh = h / group;
-        let qh = &q[h * hd..(h + 1) * hd];
-        let mut max = f32::NEG_INFINITY;
-        for (s, &at) in scores.iter_mut().zip(slots) {
-            *s = dot_f32(k, qh, &kc[at + kvh * hd..at + (kvh + 1) * hd]) * scale;
-            max = max.max(*s);
-        }
-        let mut sum = 0.0;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        let oh = &mut out[h * hd..(h + 1) * hd];
-        oh.fill(0.0);
-        let inv = 1.0 / sum;
-        for (s, &at) in scores.iter().zip(slots) {
-            axpy(k, s * inv, &vc[at + kvh * hd..at + (kvh + 1) * hd], oh);
-        }
-    }
-}
-
 /// `out[t] = x[t] / rms(x[t]) · w` for every row `t`.
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
@@ -523,20 +510,20 @@ pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 /// Reusable buffers of [`matmul`].
 struct Scratch {
     kernel: Kernel,
-    xq: Vec<Q8Block>,
+    acts: QuantizedActs,
     yt: Vec<f32>,
 }
 
 impl Default for Scratch {
     fn default() -> Self {
-        Self { kernel: Kernel::detect(), xq: Vec::new(), yt: Vec::new() }
+        Self { kernel: Kernel::detect(), acts: QuantizedActs::default(), yt: Vec::new() }
     }
 }
 
 /// `ys[i][t] = ws[i] · x[t]` for every row `t` of `x` (`x`: `T × cols`, `ys[i]`: `T ×
 /// ws[i].rows`). Matrices that read the same input (Q, K and V; gate and up) go in one call:
 /// the activations are quantized once and one parallel pass covers all their rows, split
-/// over the rayon pool in strips of output rows.
+/// over the rayon pool in strips of output rows (each strip within one matrix).
 fn matmul(ws: &[&Matrix], x: &[f32], ys: &mut [&mut [f32]], scratch: &mut Scratch) -> Result<(), ModelError> {
     let cols = ws[0].cols;
     debug_assert!(ws.iter().all(|w| w.cols == cols));
@@ -544,52 +531,52 @@ fn matmul(ws: &[&Matrix], x: &[f32], ys: &mut [&mut [f32]], scratch: &mut Scratc
     if t == 0 {
         return Ok(());
     }
+    let kernel = scratch.kernel;
     // Quantize every activation row once (quantized weights meet Q8 activations).
-    let blocks = cols / super::quant::QK;
-    scratch.xq.clear();
     if ws.iter().any(|w| w.ty.block_len() == super::quant::QK) {
-        let mut row = Vec::with_capacity(blocks);
-        for xr in x.chunks_exact(cols) {
-            quantize_q8(xr, &mut row);
-            scratch.xq.extend_from_slice(&row);
+        scratch.acts.quantize(kernel, x, cols);
+    }
+    let acts = &scratch.acts;
+    // Strips of output rows: small enough for every thread to get several, large enough
+    // (for long batches) that each strip's weights are reused across many tokens.
+    let total: usize = ws.iter().map(|w| w.rows).sum();
+    let threads = rayon::current_num_threads().max(1);
+    let strip = (total / (threads * 8)).clamp(16, 256) / 4 * 4;
+    // Output transposed (`rows × T`) so each strip owns a contiguous slice.
+    scratch.yt.resize(total * t, 0.0);
+    let mut tasks = Vec::with_capacity(total / strip + ws.len());
+    let mut rest: &mut [f32] = &mut scratch.yt[..total * t];
+    for w in ws {
+        for r0 in (0..w.rows).step_by(strip) {
+            let n = strip.min(w.rows - r0);
+            let (out, tail) = rest.split_at_mut(n * t);
+            rest = tail;
+            tasks.push((*w, r0, n, out));
         }
     }
-    let xq: &[Q8Block] = &scratch.xq;
-    let kernel = scratch.kernel;
-    // Row offsets of each matrix in the concatenated output.
-    let mut offsets = Vec::with_capacity(ws.len() + 1);
-    offsets.push(0);
-    for w in ws {
-        offsets.push(offsets.last().copied().unwrap_or(0) + w.rows);
-    }
-    let total = offsets[ws.len()];
-    // Output transposed (`rows × T`) so each task owns a contiguous strip.
-    scratch.yt.resize(total * t, 0.0);
-    const ROWS_PER_TASK: usize = 16;
-    scratch.yt[..total * t].par_chunks_mut(ROWS_PER_TASK * t).enumerate().try_for_each(|(chunk, out)| {
+    tasks.into_par_iter().try_for_each(|(w, r0, n, out)| {
+        if w.ty.block_len() == super::quant::QK {
+            let rows = w.rows_bytes(r0, n);
+            return dot_rows_tokens(kernel, w.ty, rows, n, acts, out);
+        }
         for (i, yr) in out.chunks_exact_mut(t).enumerate() {
-            let global = chunk * ROWS_PER_TASK + i;
-            let m = offsets.partition_point(|&o| o <= global) - 1;
-            let (w, r) = (ws[m], global - offsets[m]);
-            let wr = w.row(r);
-            if w.ty.block_len() == super::quant::QK {
-                dot_row_tokens(kernel, w.ty, wr, xq, blocks, yr)?;
-                continue;
-            }
+            let wr = w.row(r0 + i);
             for (tt, y) in yr.iter_mut().enumerate() {
                 *y = dot_row(kernel, w.ty, wr, &x[tt * cols..(tt + 1) * cols], &[])?;
             }
         }
         Ok::<_, QuantError>(())
     })?;
-    for (m, (w, y)) in ws.iter().zip(ys.iter_mut()).enumerate() {
+    let mut base = 0;
+    for (w, y) in ws.iter().zip(ys.iter_mut()) {
         debug_assert_eq!(y.len(), t * w.rows);
         for r in 0..w.rows {
-            let src = &scratch.yt[(offsets[m] + r) * t..(offsets[m] + r + 1) * t];
+            let src = &scratch.yt[(base + r) * t..(base + r + 1) * t];
             for (tt, v) in src.iter().enumerate() {
                 y[tt * w.rows + r] = *v;
             }
         }
+        base += w.rows;
     }
     Ok(())
 }

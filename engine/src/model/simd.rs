@@ -10,6 +10,9 @@
 use super::gguf::GgmlType;
 use super::quant::{self, Q8Block, QuantError, QK};
 
+#[cfg(target_arch = "x86_64")]
+mod vnni512;
+
 /// Which kernels this CPU runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
@@ -17,8 +20,8 @@ pub enum Kernel {
     Portable,
     /// AVX2 + FMA + F16C.
     Avx2,
-    /// AVX2 + FMA + F16C, and AVX-512 VNNI (on 256-bit vectors) for the batched integer
-    /// kernels: one `vpdpbusd` replaces `maddubs` + `madd`.
+    /// AVX2 + FMA + F16C, and AVX-512 F/BW/VL/VNNI for the matrix kernels ([`dot_rows_tokens`]):
+    /// tiles of rows × tokens, two blocks per `vpdpbusd`.
     Vnni,
 }
 
@@ -29,6 +32,7 @@ impl Kernel {
         {
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
                 if is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512vnni")
                 {
@@ -92,6 +96,80 @@ pub fn dot_f32(k: Kernel, a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// The shape of one attention call: `n_heads` query heads of `head_dim`, sharing
+/// `n_kv_heads` K/V heads (grouped-query attention).
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    /// Query heads.
+    pub n_heads: usize,
+    /// K/V heads.
+    pub n_kv_heads: usize,
+    /// Values per head.
+    pub head_dim: usize,
+}
+
+/// The cached K/V rows one query attends to: position `i`'s rows start at `k[slots[i]..]`
+/// and `v[slots[i]..]`.
+#[derive(Debug, Clone, Copy)]
+pub struct KvRows<'a> {
+    /// One layer's K cache.
+    pub k: &'a [f32],
+    /// One layer's V cache.
+    pub v: &'a [f32],
+    /// Offsets of the attended positions, in order.
+    pub slots: &'a [usize],
+}
+
+/// Attention of one query row `q` (`n_heads × head_dim`) over `kv`: `out` = per head,
+/// softmax(q·k / √d) · v. `scores` is scratch.
+pub fn attend(k: Kernel, shape: AttnShape, q: &[f32], out: &mut [f32], kv: KvRows<'_>, scores: &mut Vec<f32>) {
+    scores.resize(kv.slots.len(), 0.0);
+    #[cfg(target_arch = "x86_64")]
+    if matches!(k, Kernel::Avx2 | Kernel::Vnni) {
+        // SAFETY: AVX2/FMA detected at run time; every slice access inside is bounds-checked.
+        unsafe { avx2::attend(shape, q, out, kv, scores) };
+        return;
+    }
+    attend_with(shape, q, out, kv, scores, |a, b| dot_f32(k, a, b), |w, x, y| axpy(k, w, x, y));
+}
+
+/// The attention algorithm over given `dot` and `axpy` (inlined into each kernel's copy).
+#[inline(always)]
+fn attend_with(
+    shape: AttnShape,
+    q: &[f32],
+    out: &mut [f32],
+    kv: KvRows<'_>,
+    scores: &mut [f32],
+    dot: impl Fn(&[f32], &[f32]) -> f32,
+    axpy: impl Fn(f32, &[f32], &mut [f32]),
+) {
+    let hd = shape.head_dim;
+    let group = shape.n_heads / shape.n_kv_heads.max(1);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let KvRows { k: kc, v: vc, slots } = kv;
+    for h in 0..shape.n_heads {
+        let kvh = h / group.max(1);
+        let qh = &q[h * hd..(h + 1) * hd];
+        let mut max = f32::NEG_INFINITY;
+        for (s, &at) in scores.iter_mut().zip(slots) {
+            *s = dot(qh, &kc[at + kvh * hd..at + (kvh + 1) * hd]) * scale;
+            max = max.max(*s);
+        }
+        let mut sum = 0.0;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let oh = &mut out[h * hd..(h + 1) * hd];
+        oh.fill(0.0);
+        let inv = 1.0 / sum;
+        for (s, &at) in scores.iter().zip(slots) {
+            axpy(s * inv, &vc[at + kvh * hd..at + (kvh + 1) * hd], oh);
+        }
+    }
+}
+
 /// `y += w · x` over f32 slices of equal length (attention's weighted sum of values).
 #[inline]
 pub fn axpy(k: Kernel, w: f32, x: &[f32], y: &mut [f32]) {
@@ -104,6 +182,84 @@ pub fn axpy(k: Kernel, w: f32, x: &[f32], y: &mut [f32]) {
     }
     let _ = k;
     y[..n].iter_mut().zip(&x[..n]).for_each(|(y, x)| *y += w * x);
+}
+
+/// The activations of one matrix product (`T` token rows), quantized once for whichever
+/// kernel runs: 8-bit blocks, and for [`Kernel::Vnni`] the same blocks laid out in pairs.
+#[derive(Default)]
+pub struct QuantizedActs {
+    blocks: usize,
+    xq: Vec<Q8Block>,
+    #[cfg(target_arch = "x86_64")]
+    panel: vnni512::Panel,
+}
+
+impl QuantizedActs {
+    /// Quantize `x` (token rows of `cols` values, `cols` a multiple of 32) for kernel `k`.
+    pub fn quantize(&mut self, k: Kernel, x: &[f32], cols: usize) {
+        debug_assert!(cols.is_multiple_of(QK) && x.len().is_multiple_of(cols.max(1)));
+        self.blocks = cols / QK;
+        self.xq.clear();
+        let mut row = Vec::with_capacity(self.blocks);
+        for xr in x.chunks_exact(cols.max(1)) {
+            quant::quantize_q8(xr, &mut row);
+            self.xq.extend_from_slice(&row);
+        }
+        #[cfg(target_arch = "x86_64")]
+        if k == Kernel::Vnni {
+            self.panel.build(&self.xq, self.blocks);
+        }
+        let _ = k;
+    }
+
+    /// Number of token rows.
+    pub fn tokens(&self) -> usize {
+        self.xq.len().checked_div(self.blocks).unwrap_or(0)
+    }
+
+    /// The 8-bit blocks, token-major.
+    pub fn blocks(&self) -> &[Q8Block] {
+        &self.xq
+    }
+}
+
+/// `out[r · T + t] = row_r · x_t` for the `rows` consecutive rows of `w` (quantized type `ty`)
+/// and every token row of `acts`. With [`Kernel::Vnni`], tiles of rows × tokens; otherwise
+/// one row at a time ([`dot_row_tokens`]). Either way a token's result does not depend on
+/// the other tokens of the batch.
+pub fn dot_rows_tokens(
+    k: Kernel,
+    ty: GgmlType,
+    w: &[u8],
+    rows: usize,
+    acts: &QuantizedActs,
+    out: &mut [f32],
+) -> Result<(), QuantError> {
+    let (blocks, t) = (acts.blocks, acts.tokens());
+    let n = blocks * QK;
+    let row_bytes = ty.bytes_for(n);
+    if w.len() != rows * row_bytes || out.len() != rows * t {
+        return Err(QuantError::Shape { ty, row: n, bytes: w.len() / rows.max(1), n });
+    }
+    #[cfg(target_arch = "x86_64")]
+    if k == Kernel::Vnni && acts.panel.fits(t, blocks) {
+        // SAFETY: `Kernel::Vnni` comes only from `detect`, after checking AVX-512
+        // F/BW/VL/VNNI, AVX2, FMA and F16C; `w` is `rows` whole rows of `blocks` blocks, the
+        // panel fits `t` tokens of `blocks` and `out` is `rows × t` (all checked above).
+        unsafe {
+            match vnni512::type_id(ty) {
+                Some(vnni512::Q4_1) => vnni512::gemm::<{ vnni512::Q4_1 }>(w, rows, blocks, &acts.panel, out),
+                Some(vnni512::Q4_0) => vnni512::gemm::<{ vnni512::Q4_0 }>(w, rows, blocks, &acts.panel, out),
+                Some(_) => vnni512::gemm::<{ vnni512::Q8_0 }>(w, rows, blocks, &acts.panel, out),
+                None => return Err(QuantError::Shape { ty, row: n, bytes: row_bytes, n }),
+            }
+        }
+        return Ok(());
+    }
+    for (row, o) in w.chunks_exact(row_bytes.max(1)).zip(out.chunks_exact_mut(t.max(1))) {
+        dot_row_tokens(k, ty, row, &acts.xq, blocks, o)?;
+    }
+    Ok(())
 }
 
 /// `out[t] = row · xq[t]` for `out.len()` token rows of quantized activations (`blocks`
@@ -123,21 +279,8 @@ pub fn dot_row_tokens(
         return Err(QuantError::Shape { ty, row: n, bytes: row.len(), n: xq.len() * QK });
     }
     #[cfg(target_arch = "x86_64")]
-    if k == Kernel::Vnni {
-        // SAFETY: AVX2/FMA/F16C and AVX-512 F/VL/VNNI were detected at run time
-        // (`Kernel::Vnni`); extents checked above, as for the AVX2 kernels below.
-        unsafe {
-            match ty {
-                GgmlType::Q4_1 => vnni::q4_1_tokens(row, xq, blocks, out),
-                GgmlType::Q4_0 => vnni::q4_0_tokens(row, xq, blocks, out),
-                _ => vnni::q8_0_tokens(row, xq, blocks, out),
-            }
-        }
-        return Ok(());
-    }
-    #[cfg(target_arch = "x86_64")]
-    if k == Kernel::Avx2 {
-        // SAFETY: AVX2/FMA/F16C were detected at run time (`Kernel::Avx2`); `row` holds
+    if matches!(k, Kernel::Avx2 | Kernel::Vnni) {
+        // SAFETY: AVX2/FMA/F16C were detected at run time (`Kernel::Avx2`, `Kernel::Vnni`); `row` holds
         // `blocks` whole blocks and `xq` holds `blocks` blocks per output (checked above).
         unsafe {
             match ty {
@@ -319,6 +462,7 @@ mod avx2 {
         (half(b), 0.0f32, _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i))
     });
 
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len();
@@ -338,6 +482,7 @@ mod avx2 {
         s
     }
 
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
         let n = x.len();
@@ -355,6 +500,27 @@ mod avx2 {
             y[i] += w * x[i];
             i += 1;
         }
+    }
+
+    /// [`super::attend`] with the AVX2 `dot_f32` and `axpy` inlined.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn attend(
+        shape: super::AttnShape,
+        q: &[f32],
+        out: &mut [f32],
+        kv: super::KvRows<'_>,
+        scores: &mut [f32],
+    ) {
+        // SAFETY (both closures): AVX2/FMA are enabled here; the slices are of equal length.
+        super::attend_with(
+            shape,
+            q,
+            out,
+            kv,
+            scores,
+            |a, b| unsafe { dot_f32(a, b) },
+            |w, x, y| unsafe { axpy(w, x, y) },
+        )
     }
 
     /// Float rows: 8 weights at a time, converted by `load`, tail in scalar.
@@ -414,40 +580,6 @@ mod avx2 {
         // SAFETY: lengths as `float_dot` requires (checked by the dispatcher).
         unsafe { float_dot(row, x, 2, load, scalar) }
     }
-}
-
-/// The batched integer kernels with AVX-512 VNNI: one `vpdpbusd` replaces `maddubs` + `madd`.
-#[cfg(target_arch = "x86_64")]
-mod vnni {
-    use std::arch::x86_64::*;
-
-    use super::super::quant::Q8Block;
-    use super::avx2::{half, halves, hsum, load_q8, nibbles};
-
-    /// `u8 × i8` pairs of 4 summed into i32 lanes by one `vpdpbusd`, as f32.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    fn dp_u8_i8(w: __m256i, a: __m256i) -> __m256 {
-        _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a))
-    }
-
-    /// Signed weights: `|w| × (a · sign(w))`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    fn dp_i8_i8(w: __m256i, a: __m256i) -> __m256 {
-        dp_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
-    }
-
-    batched_kernel!(q4_1_tokens, q4_1_tile, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 20, dp_u8_i8, |b| {
-        let (d, m) = halves(b);
-        (d, m, nibbles(b.as_ptr().add(4)))
-    });
-    batched_kernel!(q4_0_tokens, q4_0_tile, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 18, dp_i8_i8, |b| {
-        (half(b), 0.0f32, _mm256_sub_epi8(nibbles(b.as_ptr().add(2)), _mm256_set1_epi8(8)))
-    });
-    batched_kernel!(q8_0_tokens, q8_0_tile, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 34, dp_i8_i8, |b| {
-        (half(b), 0.0f32, _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i))
-    });
 }
 
 #[cfg(test)]
@@ -535,6 +667,49 @@ mod tests {
                             out[tt]
                         );
                     }
+                }
+            }
+        }
+        // Tiles of rows × tokens (4 × 4 and every remainder), odd and even block counts.
+        for (rows, t, n) in [(1usize, 1usize, 32usize), (5, 6, 576), (9, 4, 96), (4, 9, 1536), (3, 1, 64)] {
+            let blocks = n / QK;
+            let x: Vec<f32> = (0..t * n).map(|_| (lcg(&mut s) % 2000) as f32 / 500.0 - 2.0).collect();
+            let mut acts = QuantizedActs::default();
+            acts.quantize(k, &x, n);
+            for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+                let w: Vec<u8> = (0..rows).flat_map(|_| random_row(ty, n, &mut s)).collect();
+                let mut out = vec![0f32; rows * t];
+                dot_rows_tokens(k, ty, &w, rows, &acts, &mut out).unwrap();
+                let rb = ty.bytes_for(n);
+                for r in 0..rows {
+                    for tt in 0..t {
+                        let xq = &acts.blocks()[tt * blocks..(tt + 1) * blocks];
+                        let want = quant::dot_row(ty, &w[r * rb..(r + 1) * rb], &x[tt * n..(tt + 1) * n], xq).unwrap();
+                        let got = out[r * t + tt];
+                        assert!(
+                            (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                            "{ty} {rows}×{t} n={n}: {got} vs {want}"
+                        );
+                    }
+                }
+                // The tiles reproduce the one-row kernel bit for bit (the same block order).
+                if k == Kernel::Vnni {
+                    for r in 0..rows {
+                        let mut one = vec![0f32; t];
+                        dot_row_tokens(Kernel::Avx2, ty, &w[r * rb..(r + 1) * rb], acts.blocks(), blocks, &mut one)
+                            .unwrap();
+                        for tt in 0..t {
+                            assert_eq!(one[tt].to_bits(), out[r * t + tt].to_bits(), "{ty} {rows}×{t}: tile vs row");
+                        }
+                    }
+                }
+                // A token's result does not depend on its batch.
+                let mut alone = QuantizedActs::default();
+                alone.quantize(k, &x[(t - 1) * n..], n);
+                let mut one = vec![0f32; rows];
+                dot_rows_tokens(k, ty, &w, rows, &alone, &mut one).unwrap();
+                for r in 0..rows {
+                    assert_eq!(one[r].to_bits(), out[r * t + t - 1].to_bits(), "{ty}: batched differs from alone");
                 }
             }
         }
