@@ -22,7 +22,7 @@ use rayon::prelude::*;
 
 use super::gguf::{GgmlType, GgufError, GgufFile};
 use super::quant::{dequantize_row, QuantError};
-use super::simd::{attend, dot_row, dot_rows_tokens, AttnShape, Kernel, KvRows, QuantizedActs};
+use super::simd::{attend_rows, dot_row, dot_rows_tokens, AttnShape, Kernel, KvRows, QuantizedActs};
 use crate::kv::BlockId;
 use crate::tokenizer::TokenId;
 
@@ -428,6 +428,14 @@ impl Llama {
         // Where each row's positions 0..=pos live in the cache: the same in every layer.
         let slots: Vec<Vec<usize>> =
             rows.iter().map(|&(s, pos)| (0..=pos).map(|p| kv.slot(seqs[s].block_table, p)).collect()).collect();
+        // Attention tiles: up to 4 consecutive rows of one sequence (they share K/V reads).
+        let mut tiles: Vec<(usize, usize)> = Vec::new();
+        for (r, &(s, _)) in rows.iter().enumerate() {
+            match tiles.last_mut() {
+                Some((r0, n)) if rows[*r0].0 == s && *n < 4 => *n += 1,
+                _ => tiles.push((r, 1)),
+            }
+        }
         for (li, l) in self.layers.iter().enumerate() {
             rmsnorm(&x, &l.attn_norm, c.eps, &mut n);
             matmul(&[&l.wq, &l.wk, &l.wv], &n, &mut [&mut q, &mut k, &mut v], &mut scratch)?;
@@ -444,12 +452,18 @@ impl Llama {
             }
             let (kc, vc) = (&kv.k[li], &kv.v[li]);
             let (kernel, shape) = (scratch.kernel, c.attn_shape());
-            att.par_chunks_mut(dim)
-                .zip(q.par_chunks(dim))
-                .zip(slots.par_iter())
-                .for_each_init(Vec::new, |scores, ((out, qr), slots)| {
-                    attend(kernel, shape, qr, out, KvRows { k: kc, v: vc, slots }, scores)
-                });
+            let mut rest: &mut [f32] = &mut att;
+            let mut jobs = Vec::with_capacity(tiles.len());
+            for &(r0, n) in &tiles {
+                let (out, tail) = rest.split_at_mut(n * dim);
+                rest = tail;
+                jobs.push((r0, n, out));
+            }
+            jobs.into_par_iter().for_each_init(Vec::new, |scores, (r0, n, out)| {
+                let lens: Vec<usize> = slots[r0..r0 + n].iter().map(Vec::len).collect();
+                let kv = KvRows { k: kc, v: vc, slots: &slots[r0 + n - 1] };
+                attend_rows(kernel, shape, &q[r0 * dim..(r0 + n) * dim], out, kv, &lens, scores);
+            });
             matmul(&[&l.wo], &att, &mut [&mut o], &mut scratch)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
 
@@ -567,15 +581,14 @@ fn matmul(ws: &[&Matrix], x: &[f32], ys: &mut [&mut [f32]], scratch: &mut Scratc
         }
         Ok::<_, QuantError>(())
     })?;
+    // Back to token-major, token rows in parallel.
     let mut base = 0;
     for (w, y) in ws.iter().zip(ys.iter_mut()) {
         debug_assert_eq!(y.len(), t * w.rows);
-        for r in 0..w.rows {
-            let src = &scratch.yt[(base + r) * t..(base + r + 1) * t];
-            for (tt, v) in src.iter().enumerate() {
-                y[tt * w.rows + r] = *v;
-            }
-        }
+        let yt = &scratch.yt[base * t..(base + w.rows) * t];
+        y.par_chunks_mut(w.rows).enumerate().for_each(|(tt, yr)| {
+            yr.iter_mut().enumerate().for_each(|(r, v)| *v = yt[r * t + tt]);
+        });
         base += w.rows;
     }
     Ok(())

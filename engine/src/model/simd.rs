@@ -8,8 +8,12 @@
 #![allow(unsafe_code)]
 
 use super::gguf::GgmlType;
+use rayon::prelude::*;
+
 use super::quant::{self, Q8Block, QuantError, QK};
 
+#[cfg(target_arch = "x86_64")]
+mod attn512;
 #[cfg(target_arch = "x86_64")]
 mod vnni512;
 
@@ -73,6 +77,21 @@ pub fn dot_row(k: Kernel, ty: GgmlType, row: &[u8], x: &[f32], xq: &[Q8Block]) -
     quant::dot_row(ty, row, x, xq)
 }
 
+/// [`quant::quantize_q8`] with the kernel `k` (bit-identical): `x` is `out.len()` blocks.
+pub fn quantize_q8(k: Kernel, x: &[f32], out: &mut [Q8Block]) {
+    debug_assert_eq!(x.len(), out.len() * QK);
+    #[cfg(target_arch = "x86_64")]
+    if matches!(k, Kernel::Avx2 | Kernel::Vnni) && x.len() == out.len() * QK {
+        // SAFETY: AVX2/FMA/F16C detected at run time; `x` is exactly `out.len()` blocks.
+        unsafe { avx2::quantize_q8(x, out) };
+        return;
+    }
+    let _ = k;
+    let mut v = Vec::with_capacity(out.len());
+    quant::quantize_q8(x, &mut v);
+    out.iter_mut().zip(v).for_each(|(o, b)| *o = b);
+}
+
 /// `a · b` over f32 slices of equal length (attention scores).
 #[inline]
 pub fn dot_f32(k: Kernel, a: &[f32], b: &[f32]) -> f32 {
@@ -131,6 +150,55 @@ pub fn attend(k: Kernel, shape: AttnShape, q: &[f32], out: &mut [f32], kv: KvRow
         return;
     }
     attend_with(shape, q, out, kv, scores, |a, b| dot_f32(k, a, b), |w, x, y| axpy(k, w, x, y));
+}
+
+/// Attention of consecutive query rows of one sequence (`q`, `out`: `lens.len()` rows of
+/// `n_heads × head_dim`): row `i` attends to the first `lens[i]` slots of `kv` (non-decreasing,
+/// the last row's being all of them). With [`Kernel::Vnni`] and a head size of 64 or 128,
+/// tiles of rows share every K/V load ([`attn512`]); otherwise one row at a time. Either way
+/// a row's result does not depend on the rows it is computed with.
+pub fn attend_rows(
+    k: Kernel,
+    shape: AttnShape,
+    q: &[f32],
+    out: &mut [f32],
+    kv: KvRows<'_>,
+    lens: &[usize],
+    scores: &mut Vec<f32>,
+) {
+    let dim = shape.n_heads * shape.head_dim;
+    debug_assert!(q.len() == lens.len() * dim && out.len() == q.len());
+    debug_assert!(lens.windows(2).all(|w| w[0] <= w[1]) && lens.last() == Some(&kv.slots.len()));
+    #[cfg(target_arch = "x86_64")]
+    if k == Kernel::Vnni && matches!(shape.head_dim, 64 | 128) && lens.last() == Some(&kv.slots.len()) {
+        let tile = if shape.head_dim == 64 { 4 } else { 2 };
+        scores.resize(tile * kv.slots.len(), 0.0);
+        let mut i = 0;
+        while i < lens.len() {
+            let n = tile.min(lens.len() - i);
+            let (l, rows) = (&lens[i..i + n], i * dim..(i + n) * dim);
+            let kv = KvRows { slots: &kv.slots[..l[n - 1]], ..kv };
+            let (q, out) = (&q[rows.clone()], &mut out[rows]);
+            // SAFETY: `Kernel::Vnni` is only produced by `detect` after checking AVX-512
+            // F/BW/VL/VNNI, AVX2, FMA and F16C; head_dim is 16·D; `l` is non-decreasing and ends
+            // at `kv.slots.len()`; K/V rows are sliced (bounds-checked) inside.
+            unsafe {
+                match (shape.head_dim, n) {
+                    (64, 4) => attn512::attend::<4, 4>(shape, q, out, kv, l, scores),
+                    (64, 3) => attn512::attend::<3, 4>(shape, q, out, kv, l, scores),
+                    (64, 2) => attn512::attend::<2, 4>(shape, q, out, kv, l, scores),
+                    (64, _) => attn512::attend::<1, 4>(shape, q, out, kv, l, scores),
+                    (_, 2) => attn512::attend::<2, 8>(shape, q, out, kv, l, scores),
+                    _ => attn512::attend::<1, 8>(shape, q, out, kv, l, scores),
+                }
+            }
+            i += n;
+        }
+        return;
+    }
+    for ((qr, or), &l) in q.chunks_exact(dim).zip(out.chunks_exact_mut(dim)).zip(lens) {
+        attend(k, shape, qr, or, KvRows { slots: &kv.slots[..l], ..kv }, scores);
+    }
 }
 
 /// The attention algorithm over given `dot` and `axpy` (inlined into each kernel's copy).
@@ -195,16 +263,16 @@ pub struct QuantizedActs {
 }
 
 impl QuantizedActs {
-    /// Quantize `x` (token rows of `cols` values, `cols` a multiple of 32) for kernel `k`.
+    /// Quantize `x` (token rows of `cols` values, `cols` a multiple of 32) for kernel `k`,
+    /// token rows in parallel on the current rayon pool.
     pub fn quantize(&mut self, k: Kernel, x: &[f32], cols: usize) {
         debug_assert!(cols.is_multiple_of(QK) && x.len().is_multiple_of(cols.max(1)));
         self.blocks = cols / QK;
-        self.xq.clear();
-        let mut row = Vec::with_capacity(self.blocks);
-        for xr in x.chunks_exact(cols.max(1)) {
-            quant::quantize_q8(xr, &mut row);
-            self.xq.extend_from_slice(&row);
-        }
+        let t = x.len() / cols.max(1);
+        self.xq.resize(t * self.blocks, Q8Block { d: 0.0, s: 0.0, qs: [0; QK] });
+        self.xq.par_chunks_mut(self.blocks.max(1)).zip(x.par_chunks(cols.max(1))).for_each(|(o, xr)| {
+            quantize_q8(k, xr, o);
+        });
         #[cfg(target_arch = "x86_64")]
         if k == Kernel::Vnni {
             self.panel.build(&self.xq, self.blocks);
@@ -502,6 +570,44 @@ mod avx2 {
         }
     }
 
+    /// [`quant::quantize_q8`](super::super::quant::quantize_q8) 8 lanes at a time, with the
+    /// same operations per value (so the same bits): `amax / 127`, `x · (1/d)` rounded half
+    /// away from zero (truncate, then step away when the dropped fraction is ≥ ½).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn quantize_q8(x: &[f32], out: &mut [Q8Block]) {
+        let sign = _mm256_set1_ps(-0.0);
+        let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+        for (chunk, o) in x.chunks_exact(super::QK).zip(out.iter_mut()) {
+            // SAFETY: `chunk` is 32 floats: four loads of 8.
+            let v: [__m256; 4] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(chunk.as_ptr().add(8 * i)) });
+            let abs = |a: __m256| _mm256_andnot_ps(sign, a);
+            let m = _mm256_max_ps(_mm256_max_ps(abs(v[0]), abs(v[1])), _mm256_max_ps(abs(v[2]), abs(v[3])));
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+            let d = amax / 127.0;
+            let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+            let q: [__m256i; 4] = std::array::from_fn(|i| {
+                let p = _mm256_mul_ps(v[i], id);
+                let t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+                let away = _mm256_cmp_ps(abs(_mm256_sub_ps(p, t)), half, _CMP_GE_OQ);
+                let step = _mm256_and_ps(away, _mm256_or_ps(_mm256_and_ps(p, sign), one));
+                _mm256_cvttps_epi32(_mm256_add_ps(t, step))
+            });
+            let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            let sum = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            let sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0b01_00_11_10));
+            let sum = _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0b00_00_00_01)));
+            // i32 → i8 in order: the packs work per 128-bit lane, the permute restores order.
+            let p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            // SAFETY: `o.qs` is 32 bytes.
+            unsafe { _mm256_storeu_si256(o.qs.as_mut_ptr() as *mut __m256i, p) };
+            o.d = super::super::quant::round_f16(d);
+            o.s = super::super::quant::round_f16(sum as f32 * d);
+        }
+    }
+
     /// [`super::attend`] with the AVX2 `dot_f32` and `axpy` inlined.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn attend(
@@ -713,6 +819,19 @@ mod tests {
                 }
             }
         }
+        // Quantization: the SIMD path gives the reference's bits (ties included).
+        let mut x: Vec<f32> = (0..4096).map(|_| (lcg(&mut s) % 20001) as f32 / 100.0 - 100.0).collect();
+        x[0] = 127.0;
+        x[1] = 0.5;
+        x[2] = -0.5;
+        x[3] = 2.5;
+        x[4] = -1.5;
+        x[32..64].fill(0.0);
+        let mut want = Vec::new();
+        quant::quantize_q8(&x, &mut want);
+        let mut got = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; x.len() / QK];
+        quantize_q8(k, &x, &mut got);
+        assert_eq!(got, want);
         // Attention helpers.
         for n in [5usize, 64, 67] {
             let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();

@@ -15,6 +15,8 @@
 
 use std::arch::x86_64::*;
 
+use rayon::prelude::*;
+
 use super::super::gguf::GgmlType;
 use super::super::quant::{Q8Block, QK};
 
@@ -26,10 +28,6 @@ pub struct PairBlock {
     qs: [i8; 64],
     /// Each lane's block scale.
     d: [f32; 16],
-    /// `−8 ×` the sum of each lane's 4 values (the offset of Q4_0's unsigned nibbles).
-    c8: [i32; 16],
-    /// `−128 ×` the same sum (the offset of Q8_0 bytes read as unsigned).
-    c128: [i32; 16],
 }
 
 impl PairBlock {
@@ -37,15 +35,10 @@ impl PairBlock {
     pub fn new(a: &Q8Block, b: Option<&Q8Block>) -> Self {
         let zero = Q8Block { d: 0.0, s: 0.0, qs: [0; QK] };
         let b = b.unwrap_or(&zero);
-        let mut p = PairBlock { qs: [0; 64], d: [0.0; 16], c8: [0; 16], c128: [0; 16] };
+        let mut p = PairBlock { qs: [0; 64], d: [a.d; 16] };
         p.qs[..32].copy_from_slice(&a.qs);
         p.qs[32..].copy_from_slice(&b.qs);
-        for lane in 0..16 {
-            p.d[lane] = if lane < 8 { a.d } else { b.d };
-            let sum: i32 = p.qs[lane * 4..lane * 4 + 4].iter().map(|&q| i32::from(q)).sum();
-            p.c8[lane] = -8 * sum;
-            p.c128[lane] = -128 * sum;
-        }
+        p.d[8..].fill(b.d);
         p
     }
 }
@@ -61,16 +54,19 @@ pub struct Panel {
 }
 
 impl Panel {
-    /// Lay out `xq` (`t` tokens × `blocks` blocks).
+    /// Lay out `xq` (`t` tokens × `blocks` blocks), tokens in parallel on the rayon pool.
     pub fn build(&mut self, xq: &[Q8Block], blocks: usize) {
-        let t = xq.len() / blocks.max(1);
-        let padded = blocks.div_ceil(2) * 2;
+        let blocks = blocks.max(1);
+        let (t, pairs) = (xq.len() / blocks, blocks.div_ceil(2));
         self.t = t;
-        self.pairs.clear();
+        let empty = PairBlock { qs: [0; 64], d: [0.0; 16] };
+        self.pairs.resize(t * pairs, empty);
+        self.pairs.par_chunks_mut(pairs).zip(xq.par_chunks(blocks)).for_each(|(out, tok)| {
+            out.iter_mut().zip(tok.chunks(2)).for_each(|(o, c)| *o = PairBlock::new(&c[0], c.get(1)));
+        });
         self.s.clear();
-        self.s.resize(padded * t, 0.0);
-        for (j, tok) in xq.chunks_exact(blocks.max(1)).enumerate() {
-            self.pairs.extend(tok.chunks(2).map(|c| PairBlock::new(&c[0], c.get(1))));
+        self.s.resize(pairs * 2 * t, 0.0);
+        for (j, tok) in xq.chunks_exact(blocks).enumerate() {
             for (b, blk) in tok.iter().enumerate() {
                 self.s[b * t + j] = blk.s;
             }
@@ -199,6 +195,17 @@ unsafe fn tile<const TY: u8, const R: usize, const N: usize>(
         };
         let (sa, sb) =
             if TY == Q4_1 { (load_s(2 * p), load_s(2 * p + 1)) } else { (_mm_setzero_ps(), _mm_setzero_ps()) };
+        // Signed weights are read as unsigned (+8 for Q4_0, +128 for Q8_0): each token's
+        // accumulator starts at −offset × (the sum of each lane's 4 values), exact in i32.
+        let init: [__m512i; N] = std::array::from_fn(|j| {
+            if !signed {
+                return _mm512_setzero_si512();
+            }
+            // SAFETY: token `j`, pair `p` is within `x`; `PairBlock` is 64-byte aligned.
+            let xv = unsafe { _mm512_load_si512((*x.add(j * pairs + p)).qs.as_ptr() as *const _) };
+            let offset = _mm512_set1_epi8(if TY == Q4_0 { 8 } else { -128 });
+            _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, xv))
+        });
         for (i, acc_i) in acc.iter_mut().enumerate() {
             // SAFETY: row `i`, pair `p` is within `w` (caller's contract).
             let (wv, ws) = unsafe { unpack::<TY>(w.add(i * row_bytes + p * 2 * bytes), single) };
@@ -207,12 +214,7 @@ unsafe fn tile<const TY: u8, const R: usize, const N: usize>(
                 // SAFETY: token `j`, pair `p` is within `x`; `PairBlock` is 64-byte aligned.
                 let xb = unsafe { &*x.add(j * pairs + p) };
                 let xv = unsafe { _mm512_load_si512(xb.qs.as_ptr() as *const _) };
-                let init = match (signed, TY) {
-                    (false, _) => _mm512_setzero_si512(),
-                    (true, Q4_0) => unsafe { _mm512_load_si512(xb.c8.as_ptr() as *const _) },
-                    _ => unsafe { _mm512_load_si512(xb.c128.as_ptr() as *const _) },
-                };
-                let dp = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, wv, xv));
+                let dp = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init[j], wv, xv));
                 let sc = _mm512_mul_ps(wd, unsafe { _mm512_load_ps(xb.d.as_ptr()) });
                 *a = _mm256_fmadd_ps(_mm512_castps512_ps256(sc), _mm512_castps512_ps256(dp), *a);
                 *a = _mm256_fmadd_ps(high(sc), high(dp), *a);
