@@ -4,12 +4,14 @@
 //!
 //! 1. prefill: one 512-token prompt in one step (prompt processing, tokens/s);
 //! 2. decode: one sequence, one token at position 512 (single-stream decode, tokens/s);
-//! 3. batch-16 decode: 16 sequences one token each at position 128 (aggregate, tokens/s).
+//! 3. batch-16 decode: 16 sequences one token each at position 128 (aggregate, tokens/s);
+//! 4. gemm: the quantized matrix kernel alone, one thread, layer 0's gate projection against
+//!    1, 16 and 512 token rows (billions of multiply-adds per second).
 //!
 //! Each figure is the median of `SWITCHYARD_BENCH_REPS` (default 5) runs on a rayon pool of
 //! `SWITCHYARD_BENCH_THREADS` (default 2) threads.
 //!
-//! `cargo bench -p switchyard-engine --bench cpu_forward [-- prefill|decode|batch]` (one
+//! `cargo bench -p switchyard-engine --bench cpu_forward [-- prefill|decode|batch|gemm]` (one
 //! case only, e.g. under `perf record`).
 
 use std::time::Instant;
@@ -17,6 +19,7 @@ use std::time::Instant;
 use switchyard_engine::backend::cpu::load;
 use switchyard_engine::model::default_model_path;
 use switchyard_engine::model::llama::{KvStore, SeqInput};
+use switchyard_engine::model::simd::{dot_rows_tokens, Kernel, QuantizedActs};
 
 const BLOCK: usize = 16;
 
@@ -83,8 +86,33 @@ fn main() {
             16.0 / step(&mut kv, &inputs)
         })
         .collect();
-    println!("cpu_forward ({threads} threads, kernel {:?}):", switchyard_engine::model::simd::Kernel::detect());
+    let kernel = Kernel::detect();
+    let mut gemm = Vec::new();
+    if run("gemm") {
+        let w = &model.layers[0].w_gate;
+        for t in [1usize, 16, 512] {
+            let x: Vec<f32> = (0..t * w.cols).map(|i| ((i * 7919) % 2000) as f32 / 1000.0 - 1.0).collect();
+            let mut acts = QuantizedActs::default();
+            acts.quantize(kernel, &x, w.cols);
+            let mut out = vec![0f32; w.rows * t];
+            let bytes = w.rows_bytes(0, w.rows);
+            let reps = (20_000 / t).max(4);
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                let start = Instant::now();
+                for _ in 0..reps {
+                    dot_rows_tokens(kernel, w.ty, bytes, w.rows, &acts, &mut out).expect("gemm");
+                }
+                best = best.min(start.elapsed().as_secs_f64() / reps as f64);
+            }
+            gemm.push((t, (w.rows * w.cols * t) as f64 / best / 1e9));
+        }
+    }
+    println!("cpu_forward ({threads} threads, kernel {kernel:?}):");
     println!("  prefill 512 tokens     {} tokens/s", median(prefill));
     println!("  decode 1 sequence      {} tokens/s", median(decode));
     println!("  decode 16 sequences    {} tokens/s", median(batch));
+    for (t, g) in gemm {
+        println!("  gemm 1536×576 × {t:3} tokens, 1 thread {g:8.1} GMAC/s");
+    }
 }

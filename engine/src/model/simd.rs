@@ -777,7 +777,16 @@ mod tests {
             }
         }
         // Tiles of rows × tokens (4 × 4 and every remainder), odd and even block counts.
-        for (rows, t, n) in [(1usize, 1usize, 32usize), (5, 6, 576), (9, 4, 96), (4, 9, 1536), (3, 1, 64)] {
+        for (rows, t, n) in [
+            (1usize, 1usize, 32usize),
+            (5, 6, 576),
+            (9, 4, 96),
+            (4, 9, 1536),
+            (3, 1, 64),
+            (6, 14, 576),
+            (4, 17, 96),
+            (1, 2, 64),
+        ] {
             let blocks = n / QK;
             let x: Vec<f32> = (0..t * n).map(|_| (lcg(&mut s) % 2000) as f32 / 500.0 - 2.0).collect();
             let mut acts = QuantizedActs::default();

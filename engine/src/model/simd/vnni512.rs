@@ -1,16 +1,19 @@
-//! AVX-512 VNNI tiles: `R` weight rows × `N` tokens per pass, two 32-weight blocks per
-//! 512-bit vector.
+//! AVX-512 VNNI matrix kernels: tiles of weight rows × token rows, 64 products per
+//! `vpdpbusd`.
 //!
-//! The 256-bit batched kernels spend most of their instructions on per-block bookkeeping
-//! rather than on products. Here each pass over a pair of blocks unpacks `R` weight pairs
-//! once and meets them with `N` token pairs already laid out for the kernel ([`PairBlock`],
-//! built once per matmul): one `vpdpbusd`, one convert and one scale multiply per 64 weights.
+//! The 256-bit one-row kernels spend most of their instructions on per-block bookkeeping
+//! rather than on products. Here activations are laid out once per matmul ([`Panel`]) so that
+//! a 512-bit register holds 64 of them, and each weight block is unpacked once per tile:
 //!
-//! Lane layout of a pair of blocks `a`, `b` (16 i32 lanes of 4 bytes): `a` in the low 256
-//! bits, `b` in the high 256 bits. The float accumulation then runs on 256-bit halves, block
-//! `a` before block `b`, exactly as the one-block-at-a-time kernels (and llama.cpp's
-//! `vec_dot`) do: every (row, token) result is bit-identical to theirs, whatever `R`, `N`
-//! and the rest of the batch.
+//! - several tokens (`t ≥ 2`): a register holds the same block of two tokens; the weight
+//!   block is broadcast to both halves. Tiles of 4 rows × 8 tokens.
+//! - one token (decode): a register holds two consecutive blocks of the token; the weight
+//!   pair is unpacked the same way. Tiles of 4 rows.
+//!
+//! Either way each token's 8-lane float accumulator takes its blocks in order — one FMA of
+//! `d_w·d_x` and the block's 8 partial sums per block, the `m·s` term of Q4_1 summed apart,
+//! then the same horizontal sum — exactly as the one-row kernels (and llama.cpp's `vec_dot`)
+//! do: every result is bit-identical to theirs, whatever the tile and the rest of the batch.
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;
@@ -20,7 +23,8 @@ use rayon::prelude::*;
 use super::super::gguf::GgmlType;
 use super::super::quant::{Q8Block, QK};
 
-/// One token's activations for one pair of blocks, laid out for the kernel.
+/// 64 activations laid out for the kernel: two 32-value blocks (of one token, or the same
+/// block of two tokens) and each lane's block scale.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 pub struct PairBlock {
@@ -31,7 +35,9 @@ pub struct PairBlock {
 }
 
 impl PairBlock {
-    /// The pair `a`, `b` (`b` absent past an odd block count: zeros, contributing nothing).
+    const EMPTY: PairBlock = PairBlock { qs: [0; 64], d: [0.0; 16] };
+
+    /// `a` then `b` (absent: zeros, contributing nothing).
     pub fn new(a: &Q8Block, b: Option<&Q8Block>) -> Self {
         let zero = Q8Block { d: 0.0, s: 0.0, qs: [0; QK] };
         let b = b.unwrap_or(&zero);
@@ -43,39 +49,52 @@ impl PairBlock {
     }
 }
 
-/// Activations laid out for [`gemm`]: `t` tokens of `blocks.div_ceil(2)` pairs, and every
-/// block's `d·Σq` block-major (`s[block · t + token]`, zero past an odd count) so that a
-/// tile's tokens load theirs as one vector.
+/// Activations laid out for [`gemm`] (see the module docs): `pairs` holds, for one token,
+/// its blocks two by two; for more, token pairs (`t.div_ceil(2)` of them, the last padded with
+/// zeros) each with all their blocks. `s` holds every block's `d·Σq`, block-major with
+/// `stride` (`t` rounded up to 8) values per block and 8 values of padding, so a tile's
+/// tokens load theirs as one vector.
 #[derive(Default)]
 pub struct Panel {
     pairs: Vec<PairBlock>,
     s: Vec<f32>,
     t: usize,
+    blocks: usize,
+    stride: usize,
 }
 
 impl Panel {
-    /// Lay out `xq` (`t` tokens × `blocks` blocks), tokens in parallel on the rayon pool.
+    /// Lay out `xq` (`t` tokens × `blocks` blocks), on the rayon pool.
     pub fn build(&mut self, xq: &[Q8Block], blocks: usize) {
         let blocks = blocks.max(1);
-        let (t, pairs) = (xq.len() / blocks, blocks.div_ceil(2));
-        self.t = t;
-        let empty = PairBlock { qs: [0; 64], d: [0.0; 16] };
-        self.pairs.resize(t * pairs, empty);
-        self.pairs.par_chunks_mut(pairs).zip(xq.par_chunks(blocks)).for_each(|(out, tok)| {
-            out.iter_mut().zip(tok.chunks(2)).for_each(|(o, c)| *o = PairBlock::new(&c[0], c.get(1)));
-        });
+        let t = xq.len() / blocks;
+        (self.t, self.blocks, self.stride) = (t, blocks, t.next_multiple_of(8));
+        if t == 1 {
+            let pairs = blocks.div_ceil(2);
+            self.pairs.resize(pairs, PairBlock::EMPTY);
+            self.pairs.iter_mut().zip(xq.chunks(2)).for_each(|(o, c)| *o = PairBlock::new(&c[0], c.get(1)));
+        } else {
+            self.pairs.resize(t.div_ceil(2) * blocks, PairBlock::EMPTY);
+            self.pairs.par_chunks_mut(blocks).zip(xq.par_chunks(2 * blocks)).for_each(|(out, two)| {
+                let (a, b) = two.split_at(blocks);
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = PairBlock::new(&a[i], b.get(i));
+                }
+            });
+        }
         self.s.clear();
-        self.s.resize(pairs * 2 * t, 0.0);
+        self.s.resize(blocks.div_ceil(2) * 2 * self.stride + 8, 0.0);
         for (j, tok) in xq.chunks_exact(blocks).enumerate() {
             for (b, blk) in tok.iter().enumerate() {
-                self.s[b * t + j] = blk.s;
+                self.s[b * self.stride + j] = blk.s;
             }
         }
     }
 
     /// Whether this panel holds `t` tokens of `blocks` blocks.
     pub fn fits(&self, t: usize, blocks: usize) -> bool {
-        self.t == t && self.pairs.len() == t * blocks.div_ceil(2)
+        let pairs = if t == 1 { blocks.div_ceil(2) } else { t.div_ceil(2) * blocks };
+        self.t == t && self.blocks == blocks && self.pairs.len() == pairs
     }
 }
 
@@ -150,6 +169,34 @@ unsafe fn unpack<const TY: u8>(p: *const u8, single: bool) -> (__m512i, __m128) 
     }
 }
 
+/// One weight block unpacked into both 256-bit halves (unsigned values), with
+/// `[d, m, 0, 0]` (`m` = 0 for types without a min).
+///
+/// # Safety
+/// `p` points at one whole readable block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn unpack1<const TY: u8>(p: *const u8) -> (__m512i, __m128) {
+    // SAFETY (every read below): within the block.
+    unsafe {
+        let head =
+            if TY == Q4_1 { (p as *const i32).read_unaligned() } else { i32::from((p as *const u16).read_unaligned()) };
+        let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(head));
+        let w = if TY == Q8_0 {
+            let v = _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(2) as *const __m256i));
+            _mm512_xor_si512(v, _mm512_set1_epi8(-128))
+        } else {
+            let off = if TY == Q4_1 { 4 } else { 2 };
+            let q = _mm512_broadcast_i32x4(_mm_loadu_si128(p.add(off) as *const __m128i));
+            let m = _mm512_set1_epi8(0x0f);
+            let (lo, hi) = (_mm512_and_si512(q, m), _mm512_and_si512(_mm512_srli_epi16::<4>(q), m));
+            // 128-bit lanes [lo, hi, lo, hi]: the block's 32 values in each half.
+            _mm512_mask_blend_epi64(0b1100_1100, lo, hi)
+        };
+        (w, scales)
+    }
+}
+
 /// The high 256 bits (AVX-512 F only: `extractf32x8` would need DQ).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -157,90 +204,138 @@ fn high(v: __m512) -> __m256 {
     _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
 }
 
-/// `out[i * stride + j] = row_i · token_j` for `R` rows from `w` (`row_bytes` apart) and
-/// `N` tokens from `x` (`pairs` [`PairBlock`]s apart; their `d·Σq` at `s`, `t` apart per block).
+/// One token against `R` rows from `w` (`row_bytes` apart): `out[i * stride] = row_i · x`,
+/// two blocks per register (`x`: the token's `pairs` pairs; its `d·Σq` at `s`, `s_stride`
+/// apart per block).
 ///
 /// # Safety
-/// `w` holds `R` rows of `row_bytes` (= the bytes of `2·pairs − odd` blocks); `x` holds `N ×
-/// pairs` blocks; `s` holds `2·pairs` blocks of `t` values from the tile's first token; `out`
-/// has room for `(R − 1)·stride + N` values; `N` ≤ 4.
+/// `w` holds `R` rows of `row_bytes` (= the bytes of `2·pairs − odd` blocks); `x` holds
+/// `pairs` pairs; `s` holds `2·pairs` blocks; `out` has room for `(R − 1)·stride + 1` values.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile<const TY: u8, const R: usize, const N: usize>(
+unsafe fn tile_one<const TY: u8, const R: usize>(
     w: *const u8,
     row_bytes: usize,
     x: *const PairBlock,
     pairs: usize,
     odd: bool,
     s: *const f32,
-    t: usize,
+    s_stride: usize,
     out: *mut f32,
     stride: usize,
 ) {
     let (bytes, signed) = layout(TY);
     let idx_d = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-    let mut acc = [[_mm256_setzero_ps(); N]; R];
-    // The Q4_1 min term, one lane per token (the scalar sum of the one-block kernels).
+    let mut acc = [_mm256_setzero_ps(); R];
+    // The Q4_1 min term (lane 0), summed apart as the one-row kernels do.
     let mut mins = [_mm_setzero_ps(); R];
     for p in 0..pairs {
         let single = odd && p + 1 == pairs;
-        // SAFETY: blocks 2p and 2p + 1 of the tile's tokens are within `s`.
-        let load_s = |b: usize| unsafe {
-            if N == 4 {
-                _mm_loadu_ps(s.add(b * t))
-            } else {
-                _mm_load_ss(s.add(b * t))
-            }
-        };
-        let (sa, sb) =
-            if TY == Q4_1 { (load_s(2 * p), load_s(2 * p + 1)) } else { (_mm_setzero_ps(), _mm_setzero_ps()) };
-        // Signed weights are read as unsigned (+8 for Q4_0, +128 for Q8_0): each token's
-        // accumulator starts at −offset × (the sum of each lane's 4 values), exact in i32.
-        let init: [__m512i; N] = std::array::from_fn(|j| {
-            if !signed {
-                return _mm512_setzero_si512();
-            }
-            // SAFETY: token `j`, pair `p` is within `x`; `PairBlock` is 64-byte aligned.
-            let xv = unsafe { _mm512_load_si512((*x.add(j * pairs + p)).qs.as_ptr() as *const _) };
-            let offset = _mm512_set1_epi8(if TY == Q4_0 { 8 } else { -128 });
-            _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, xv))
-        });
-        for (i, acc_i) in acc.iter_mut().enumerate() {
+        // SAFETY: pair `p` and blocks 2p, 2p + 1 are within `x` and `s`.
+        let (xb, sa, sb) =
+            unsafe { (&*x.add(p), _mm_load_ss(s.add(2 * p * s_stride)), _mm_load_ss(s.add((2 * p + 1) * s_stride))) };
+        // SAFETY: `PairBlock` is 64-byte aligned.
+        let (xv, xd) = unsafe { (_mm512_load_si512(xb.qs.as_ptr() as *const _), _mm512_load_ps(xb.d.as_ptr())) };
+        let init = if signed { offset_sums::<TY>(xv) } else { _mm512_setzero_si512() };
+        for i in 0..R {
             // SAFETY: row `i`, pair `p` is within `w` (caller's contract).
             let (wv, ws) = unsafe { unpack::<TY>(w.add(i * row_bytes + p * 2 * bytes), single) };
             let wd = _mm512_permutexvar_ps(idx_d, _mm512_castps128_ps512(ws));
-            for (j, a) in acc_i.iter_mut().enumerate() {
-                // SAFETY: token `j`, pair `p` is within `x`; `PairBlock` is 64-byte aligned.
-                let xb = unsafe { &*x.add(j * pairs + p) };
-                let xv = unsafe { _mm512_load_si512(xb.qs.as_ptr() as *const _) };
-                let dp = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init[j], wv, xv));
-                let sc = _mm512_mul_ps(wd, unsafe { _mm512_load_ps(xb.d.as_ptr()) });
-                *a = _mm256_fmadd_ps(_mm512_castps512_ps256(sc), _mm512_castps512_ps256(dp), *a);
-                *a = _mm256_fmadd_ps(high(sc), high(dp), *a);
-            }
+            let dp = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, wv, xv));
+            let sc = _mm512_mul_ps(wd, xd);
+            acc[i] = _mm256_fmadd_ps(_mm512_castps512_ps256(sc), _mm512_castps512_ps256(dp), acc[i]);
+            acc[i] = _mm256_fmadd_ps(high(sc), high(dp), acc[i]);
             if TY == Q4_1 {
-                // `ws` is [d_a, m_a, d_b, m_b]: the same products and sums as the one-block
-                // kernels' `mins += m · s`, block a then block b.
+                // `ws` is [d_a, m_a, d_b, m_b].
                 let (ma, mb) = (_mm_permute_ps::<0b01_01_01_01>(ws), _mm_permute_ps::<0b11_11_11_11>(ws));
                 mins[i] = _mm_add_ps(mins[i], _mm_mul_ps(ma, sa));
                 mins[i] = _mm_add_ps(mins[i], _mm_mul_ps(mb, sb));
             }
         }
     }
-    for (i, acc_i) in acc.iter().enumerate() {
-        let mut m = [0f32; 4];
-        // SAFETY: `m` has room for 4 floats.
-        unsafe { _mm_storeu_ps(m.as_mut_ptr(), mins[i]) };
-        for (j, a) in acc_i.iter().enumerate() {
+    for i in 0..R {
+        // SAFETY: within `out` (caller's contract).
+        unsafe { *out.add(i * stride) = super::avx2::hsum(acc[i]) + _mm_cvtss_f32(mins[i]) };
+    }
+}
+
+/// Signed weights are read as unsigned (+8 for Q4_0, +128 for Q8_0): a dot product starts at
+/// −offset × (the sum of each lane's 4 activations), exact in i32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn offset_sums<const TY: u8>(xv: __m512i) -> __m512i {
+    let offset = _mm512_set1_epi8(if TY == Q4_0 { 8 } else { -128 });
+    _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, xv))
+}
+
+/// `2·P` tokens (`P` token pairs from `x`, `blocks` pairs apart; their `d·Σq` at `s`,
+/// `s_stride` apart per block) against `R` rows from `w` (`row_bytes` apart):
+/// `out[i * stride + j] = row_i · token_j` for the first `n` tokens.
+///
+/// # Safety
+/// `w` holds `R` rows of `blocks` blocks (`row_bytes` each); `x` holds `P × blocks` pairs;
+/// `s` holds `blocks` blocks of 8 readable values; `out` has room for `(R − 1)·stride + n`
+/// values; `n ≤ 2·P ≤ 8`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_many<const TY: u8, const R: usize, const P: usize>(
+    w: *const u8,
+    row_bytes: usize,
+    blocks: usize,
+    x: *const PairBlock,
+    s: *const f32,
+    s_stride: usize,
+    out: *mut f32,
+    stride: usize,
+    n: usize,
+) {
+    let (bytes, signed) = layout(TY);
+    // Per (row, token pair): two tokens' 8-lane accumulators side by side.
+    let mut acc = [[_mm512_setzero_ps(); P]; R];
+    // The Q4_1 min term, one lane per token, summed apart as the one-row kernels do.
+    let mut mins = [_mm256_setzero_ps(); R];
+    for b in 0..blocks {
+        // SAFETY: block `b` of every token pair is within `x`; `PairBlock` is 64-byte aligned.
+        let xb: [&PairBlock; P] = std::array::from_fn(|q| unsafe { &*x.add(q * blocks + b) });
+        let xv: [__m512i; P] = std::array::from_fn(|q| unsafe { _mm512_load_si512(xb[q].qs.as_ptr() as *const _) });
+        let init: [__m512i; P] =
+            std::array::from_fn(|q| if signed { offset_sums::<TY>(xv[q]) } else { _mm512_setzero_si512() });
+        // SAFETY: 8 values of block `b` are readable at `s` (caller's contract).
+        let sv = if TY == Q4_1 { unsafe { _mm256_loadu_ps(s.add(b * s_stride)) } } else { _mm256_setzero_ps() };
+        for i in 0..R {
+            // SAFETY: row `i`, block `b` is within `w` (caller's contract).
+            let (wv, ws) = unsafe { unpack1::<TY>(w.add(i * row_bytes + b * bytes)) };
+            let wd = _mm512_broadcastss_ps(ws);
+            for q in 0..P {
+                let dp = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init[q], wv, xv[q]));
+                // SAFETY: as above.
+                let sc = _mm512_mul_ps(wd, unsafe { _mm512_load_ps(xb[q].d.as_ptr()) });
+                acc[i][q] = _mm512_fmadd_ps(sc, dp, acc[i][q]);
+            }
+            if TY == Q4_1 {
+                let m = _mm256_broadcastss_ps(_mm_permute_ps::<0b01_01_01_01>(ws));
+                mins[i] = _mm256_add_ps(mins[i], _mm256_mul_ps(m, sv));
+            }
+        }
+    }
+    for i in 0..R {
+        let mut m = [0f32; 8];
+        // SAFETY: `m` has room for 8 floats.
+        unsafe { _mm256_storeu_ps(m.as_mut_ptr(), mins[i]) };
+        for j in 0..n {
+            let a = acc[i][j / 2];
+            let half = if j % 2 == 0 { _mm512_castps512_ps256(a) } else { high(a) };
             // SAFETY: within `out` (caller's contract).
-            unsafe { *out.add(i * stride + j) = super::avx2::hsum(*a) + m[j] };
+            unsafe { *out.add(i * stride + j) = super::avx2::hsum(half) + m[j] };
         }
     }
 }
 
 /// `out[r * t + j] = row_r · token_j` for the `rows` rows of `w` and the `t` tokens of `x`
-/// (`blocks` blocks per row), in tiles of 4 rows × 4 tokens (then remainders).
+/// (`blocks` blocks per row), in tiles of 4 rows (then single rows) × 8 tokens (then 4, then
+/// 2 — an odd last token shares its pair with zeros) or × the one token.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C are available; `w` is exactly `rows` rows of
@@ -250,27 +345,51 @@ unsafe fn tile<const TY: u8, const R: usize, const N: usize>(
 pub unsafe fn gemm<const TY: u8>(w: &[u8], rows: usize, blocks: usize, x: &Panel, out: &mut [f32]) {
     let (bytes, _) = layout(TY);
     let row_bytes = blocks * bytes;
-    let pairs = blocks.div_ceil(2);
     let t = x.t;
     debug_assert_eq!(w.len(), rows * row_bytes);
     debug_assert!(x.fits(out.len() / rows.max(1), blocks));
-    let odd = blocks % 2 == 1;
-    let (wp, xp, sp, op) = (w.as_ptr(), x.pairs.as_ptr(), x.s.as_ptr(), out.as_mut_ptr());
+    let (wp, xp, sp, op, ss) = (w.as_ptr(), x.pairs.as_ptr(), x.s.as_ptr(), out.as_mut_ptr(), x.stride);
+    if t == 1 {
+        let (pairs, odd) = (blocks.div_ceil(2), blocks % 2 == 1);
+        let mut i = 0;
+        while i < rows {
+            // SAFETY: rows `i..i + 4` (or `i`) are within `w` and `out`; the panel is one token.
+            unsafe {
+                let (wi, o) = (wp.add(i * row_bytes), op.add(i));
+                if rows - i >= 4 {
+                    tile_one::<TY, 4>(wi, row_bytes, xp, pairs, odd, sp, ss, o, 1);
+                    i += 4;
+                } else {
+                    tile_one::<TY, 1>(wi, row_bytes, xp, pairs, odd, sp, ss, o, 1);
+                    i += 1;
+                }
+            }
+        }
+        return;
+    }
     // Tokens outer, rows inner: a group of tokens stays in L1 while the rows stream past it.
     let mut j = 0;
     while j < t {
-        let n = if t - j >= 4 { 4 } else { 1 };
+        let p = match t - j {
+            8.. => 4,
+            4.. => 2,
+            _ => 1,
+        };
+        let n = (2 * p).min(t - j);
         let mut i = 0;
         while i < rows {
             let r = if rows - i >= 4 { 4 } else { 1 };
-            // SAFETY: rows `i..i + r` and tokens `j..j + n` are within the extents above.
+            // SAFETY: rows `i..i + r` and tokens `j..j + n` (pairs `j/2..j/2 + p`, padded) are
+            // within the extents above; `s` has 8 readable values from any token up to `t`.
             unsafe {
-                let (wi, xj, sj, o) = (wp.add(i * row_bytes), xp.add(j * pairs), sp.add(j), op.add(i * t + j));
-                match (r, n) {
-                    (4, 4) => tile::<TY, 4, 4>(wi, row_bytes, xj, pairs, odd, sj, t, o, t),
-                    (4, _) => tile::<TY, 4, 1>(wi, row_bytes, xj, pairs, odd, sj, t, o, t),
-                    (_, 4) => tile::<TY, 1, 4>(wi, row_bytes, xj, pairs, odd, sj, t, o, t),
-                    _ => tile::<TY, 1, 1>(wi, row_bytes, xj, pairs, odd, sj, t, o, t),
+                let (wi, xj, sj, o) = (wp.add(i * row_bytes), xp.add(j / 2 * blocks), sp.add(j), op.add(i * t + j));
+                match (r, p) {
+                    (4, 4) => tile_many::<TY, 4, 4>(wi, row_bytes, blocks, xj, sj, ss, o, t, n),
+                    (4, 2) => tile_many::<TY, 4, 2>(wi, row_bytes, blocks, xj, sj, ss, o, t, n),
+                    (4, _) => tile_many::<TY, 4, 1>(wi, row_bytes, blocks, xj, sj, ss, o, t, n),
+                    (_, 4) => tile_many::<TY, 1, 4>(wi, row_bytes, blocks, xj, sj, ss, o, t, n),
+                    (_, 2) => tile_many::<TY, 1, 2>(wi, row_bytes, blocks, xj, sj, ss, o, t, n),
+                    _ => tile_many::<TY, 1, 1>(wi, row_bytes, blocks, xj, sj, ss, o, t, n),
                 }
             }
             i += r;
