@@ -428,6 +428,7 @@ impl Llama {
         // Where each row's positions 0..=pos live in the cache: the same in every layer.
         let slots: Vec<Vec<usize>> =
             rows.iter().map(|&(s, pos)| (0..=pos).map(|p| kv.slot(seqs[s].block_table, p)).collect()).collect();
+        let lens: Vec<usize> = slots.iter().map(Vec::len).collect();
         // Attention tiles: up to 4 consecutive rows of one sequence (they share K/V reads).
         let mut tiles: Vec<(usize, usize)> = Vec::new();
         for (r, &(s, _)) in rows.iter().enumerate() {
@@ -460,9 +461,8 @@ impl Llama {
                 jobs.push((r0, n, out));
             }
             jobs.into_par_iter().for_each_init(Vec::new, |scores, (r0, n, out)| {
-                let lens: Vec<usize> = slots[r0..r0 + n].iter().map(Vec::len).collect();
                 let kv = KvRows { k: kc, v: vc, slots: &slots[r0 + n - 1] };
-                attend_rows(kernel, shape, &q[r0 * dim..(r0 + n) * dim], out, kv, &lens, scores);
+                attend_rows(kernel, shape, &q[r0 * dim..(r0 + n) * dim], out, kv, &lens[r0..r0 + n], scores);
             });
             matmul(&[&l.wo], &att, &mut [&mut o], &mut scratch)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);

@@ -33,7 +33,7 @@ fn exp(x: __m512) -> __m512 {
     _mm512_scalef_ps(p, n)
 }
 
-/// Lanes `i..i + 16` of `v` with lanes past `len` masked (loads give 0).
+/// The lanes of positions `i..i + 16` that are below `len`.
 #[inline]
 fn mask(i: usize, len: usize) -> __mmask16 {
     let left = len - i;
@@ -74,7 +74,7 @@ pub unsafe fn attend<const R: usize, const D: usize>(
     for h in 0..shape.n_heads {
         let off = (h / group) * hd;
         let qh: [[__m512; D]; R] = std::array::from_fn(|i| std::array::from_fn(|c| load(&q[i * dim + h * hd..], c)));
-        // Scores: one chain of D products per (row, slot), reduced, scaled.
+        // Scores: per (row, slot), ggml's f32 dot order, reduced, scaled.
         for (s, &at) in kv.slots.iter().enumerate() {
             let k = &kv.k[at + off..at + off + hd];
             let kr: [__m512; D] = std::array::from_fn(|c| load(k, c));

@@ -124,6 +124,22 @@ pub fn type_id(ty: GgmlType) -> Option<u8> {
     }
 }
 
+/// A block's f16 scale and, for Q4_1, its f16 min, as the low and high halves of an i32.
+///
+/// # Safety
+/// `p` points at a readable block.
+#[inline]
+unsafe fn head<const TY: u8>(p: *const u8) -> i32 {
+    // SAFETY: every block starts with its 2-byte scale; Q4_1's is followed by its 2-byte min.
+    unsafe {
+        if TY == Q4_1 {
+            (p as *const i32).read_unaligned()
+        } else {
+            i32::from((p as *const u16).read_unaligned())
+        }
+    }
+}
+
 /// One weight pair unpacked: unsigned values in the lane layout, and `[d_a, m_a, d_b, m_b]`
 /// (`m` = 0 for types without a min). `single`: block `b` is past the row's end.
 ///
@@ -135,15 +151,8 @@ unsafe fn unpack<const TY: u8>(p: *const u8, single: bool) -> (__m512i, __m128) 
     let (bytes, _) = layout(TY);
     // SAFETY (every read below): within block `a`, or within block `b` when `!single`.
     unsafe {
-        let head = |q: *const u8| -> i32 {
-            if TY == Q4_1 {
-                (q as *const i32).read_unaligned()
-            } else {
-                i32::from((q as *const u16).read_unaligned())
-            }
-        };
-        let hb = if single { 0 } else { head(p.add(bytes)) };
-        let scales = _mm_cvtph_ps(_mm_set_epi32(0, 0, hb, head(p)));
+        let hb = if single { 0 } else { head::<TY>(p.add(bytes)) };
+        let scales = _mm_cvtph_ps(_mm_set_epi32(0, 0, hb, head::<TY>(p)));
         let w = if TY == Q8_0 {
             let part = |q: *const u8| _mm_loadu_si128(q as *const __m128i);
             let zero = _mm_setzero_si128();
@@ -179,9 +188,7 @@ unsafe fn unpack<const TY: u8>(p: *const u8, single: bool) -> (__m512i, __m128) 
 unsafe fn unpack1<const TY: u8>(p: *const u8) -> (__m512i, __m128) {
     // SAFETY (every read below): within the block.
     unsafe {
-        let head =
-            if TY == Q4_1 { (p as *const i32).read_unaligned() } else { i32::from((p as *const u16).read_unaligned()) };
-        let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(head));
+        let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(head::<TY>(p)));
         let w = if TY == Q8_0 {
             let v = _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(2) as *const __m256i));
             _mm512_xor_si512(v, _mm512_set1_epi8(-128))
