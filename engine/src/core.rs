@@ -96,7 +96,7 @@ impl EngineCore {
             let batch = self.scheduler.batch(&plan);
             self.backend.execute(&batch)
         };
-        let events = self.scheduler.apply(&plan, &out.sampled);
+        let events = self.scheduler.apply(&plan, out.sampled);
         Some(StepResult {
             events,
             model_time: out.model_time,

@@ -53,6 +53,11 @@ pub fn build(cfg: &EngineConfig) -> anyhow::Result<Engine> {
         max_model_len: cfg.scheduler.max_model_len,
         kv_capacity_tokens: cfg.kv_capacity_tokens(),
         block_size: cfg.block_size,
+        // vLLM's default `--max-logprobs`; a timing model has no distribution to report.
+        max_logprobs: match cfg.backend {
+            config::BackendKind::Cpu => 20,
+            config::BackendKind::Sim => 0,
+        },
     };
     let state =
         Arc::new(server::AppState::new(handle, tokenizer, cfg.served_model_name.clone(), limits, cfg.seed, registry));

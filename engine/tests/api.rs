@@ -339,7 +339,7 @@ async fn bad_input_gets_a_400_or_404_naming_the_field() {
             400,
             "min_tokens",
         ),
-        ("logprobs", "/v1/completions", br#"{"prompt":"a","logprobs":3}"#.to_vec(), 400, "logprobs"),
+        ("logprobs (sim)", "/v1/completions", br#"{"prompt":"a","logprobs":3}"#.to_vec(), 400, "no token distribution"),
         ("token id out of range", "/v1/completions", br#"{"prompt":[1,-2]}"#.to_vec(), 400, "token ids"),
         ("stop wrong type", "/v1/completions", br#"{"prompt":"a","stop":7}"#.to_vec(), 400, "stop"),
         ("batched prompts", "/v1/completions", br#"{"prompt":["a","b"]}"#.to_vec(), 400, "batched"),

@@ -70,6 +70,89 @@ async fn seeded_sampling_repeats_and_batching_changes_nothing() {
     assert_eq!(alone, together);
 }
 
+/// The `data:` payloads of an SSE body, `[DONE]` excluded.
+fn sse_events(body: &str) -> Vec<Value> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_follow_openai_and_agree_with_greedy_choice() {
+    let addr = engine().await;
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 3});
+    let r = post(addr, "/v1/completions", &body).await;
+    assert_eq!(r.status, 200);
+    let v = r.json().await;
+    let choice = &v["choices"][0];
+    let lp = &choice["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(tokens.len() as u64, v["usage"]["completion_tokens"].as_u64().unwrap(), "{lp}");
+    assert_eq!(tokens.concat(), choice["text"].as_str().unwrap(), "token texts spell the completion");
+    let mut offset = 0;
+    for (i, t) in tokens.iter().enumerate() {
+        assert_eq!(lp["text_offset"][i], offset);
+        offset += t.len();
+        let chosen = lp["token_logprobs"][i].as_f64().unwrap();
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        assert!((3..=4).contains(&top.len()), "3 alternatives plus the chosen token: {top:?}");
+        let best = top.values().map(|x| x.as_f64().unwrap()).fold(f64::NEG_INFINITY, f64::max);
+        assert!(chosen <= 0.0 && (chosen - best).abs() < 1e-6, "greedy picks the most likely token: {chosen} vs {best}");
+        assert_eq!(top[*t].as_f64().unwrap(), chosen);
+        let mass: f64 = top.values().map(|x| x.as_f64().unwrap().exp()).sum();
+        assert!(mass <= 1.0 + 1e-5, "probabilities of distinct tokens sum to at most 1: {mass}");
+    }
+
+    // Streamed, the chunks carry the same entries in order.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = post(addr, "/v1/completions", &streamed).await;
+    assert_eq!(r.status, 200);
+    let events = sse_events(&r.text().await);
+    let mut got: Vec<Value> = Vec::new();
+    for e in &events {
+        if let Some(l) = e["choices"][0]["logprobs"].as_object() {
+            got.extend(l["token_logprobs"].as_array().unwrap().iter().cloned());
+        }
+    }
+    assert_eq!(Value::Array(got), lp["token_logprobs"], "streamed and whole responses agree");
+
+    // Chat: `logprobs: true` with `top_logprobs: n`.
+    let mut chat_body = greedy("Which city is the capital of France? Answer with one word.", 4);
+    chat_body["logprobs"] = json!(true);
+    chat_body["top_logprobs"] = json!(2);
+    let r = post(addr, "/v1/chat/completions", &chat_body).await;
+    assert_eq!(r.status, 200);
+    let v = r.json().await;
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len() as u64, v["usage"]["completion_tokens"].as_u64().unwrap());
+    assert_eq!(content[0]["token"], "Paris");
+    assert_eq!(content[0]["bytes"], json!(b"Paris".to_vec()));
+    let top = content[0]["top_logprobs"].as_array().unwrap();
+    assert_eq!(top.len(), 2);
+    assert_eq!(top[0]["token"], "Paris");
+    assert!(top[0]["logprob"].as_f64().unwrap() >= top[1]["logprob"].as_f64().unwrap());
+    // Without logprobs the field is null.
+    let v = post(addr, "/v1/chat/completions", &greedy("Say hello.", 2)).await.json().await;
+    assert!(v["choices"][0]["logprobs"].is_null());
+
+    for (path, body, needle) in [
+        ("/v1/completions", json!({"prompt": "a", "logprobs": 21}), "logprobs must be an integer in [0, 20]"),
+        ("/v1/completions", json!({"prompt": "a", "logprobs": true}), "logprobs must be an integer"),
+        ("/v1/completions", json!({"prompt": "a", "top_logprobs": 2}), "top_logprobs is a chat parameter"),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}), "needs logprobs"),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "a"}], "logprobs": 2}), "boolean"),
+    ] {
+        let r = post(addr, path, &body).await;
+        assert_eq!(r.status, 400);
+        let v = r.json().await;
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(needle), "{body}: {msg:?} should mention {needle:?}");
+    }
+}
+
 #[test]
 fn a_corrupt_model_file_is_a_clear_error_and_a_failed_exit() {
     let dir = std::env::temp_dir().join(format!("switchyard-cpu-model-{}", std::process::id()));

@@ -19,7 +19,7 @@ use super::{Backend, StepOutput};
 use crate::model::gguf::GgufFile;
 use crate::model::llama::{KvStore, Llama, ModelError, SeqInput};
 use crate::model::tokenizer::{ModelTokenizer, TokenizerError};
-use crate::scheduler::{SamplingParams, SeqView};
+use crate::scheduler::{Sampled, SamplingParams, SeqView, TokenLogprobs};
 use crate::tokenizer::TokenId;
 
 /// Why the model cannot be loaded.
@@ -123,19 +123,23 @@ impl Backend for CpuBackend {
             Ok(logits) => sampling
                 .zip(logits)
                 .map(|(s, mut l)| {
+                    // Log probabilities come from the raw distribution, so keep it when asked.
+                    let raw = s.params.logprobs.map(|n| (l.clone(), n));
                     if let (false, Some(e)) = (s.eos_allowed, l.get_mut(self.eos as usize)) {
                         *e = f32::NEG_INFINITY;
                     }
                     let output = &s.tokens[s.tokens.len().saturating_sub(s.num_output_tokens)..];
                     penalize(&mut l, s.params, s.tokens, output);
-                    (s.sched.id, sample(&mut l, s.params, s.num_output_tokens))
+                    let token = sample(&mut l, s.params, s.num_output_tokens);
+                    let logprobs = raw.map(|(raw, n)| logprobs(&raw, token, n));
+                    Sampled { id: s.sched.id, token, logprobs }
                 })
                 .collect(),
             // The server validates token ids and the scheduler sizes block tables, so this is
             // a bug; end the affected requests rather than the engine.
             Err(e) => {
                 tracing::error!(error = %e, "cpu backend step failed; ending its requests");
-                sampling.map(|s| (s.sched.id, self.eos)).collect()
+                sampling.map(|s| Sampled { id: s.sched.id, token: self.eos, logprobs: None }).collect()
             }
         };
         StepOutput { sampled, model_time: None }
@@ -226,6 +230,25 @@ pub fn sample(logits: &mut [f32], p: &SamplingParams, index: usize) -> TokenId {
     cand[cand.len() - 1].0
 }
 
+/// `token`'s log probability under `logits` and the `n` most likely tokens' (most likely
+/// first, lower id first among ties), from a log-softmax computed in f64.
+pub fn logprobs(logits: &[f32], token: TokenId, n: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let log_z = f64::from(max) + sum.ln();
+    let lp = |l: f32| (f64::from(l) - log_z) as f32;
+    let mut top: Vec<(TokenId, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as TokenId, l)).collect();
+    let by_logit = |a: &(TokenId, f32), b: &(TokenId, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let n = n.min(top.len());
+    if n > 0 && n < top.len() {
+        top.select_nth_unstable_by(n - 1, by_logit);
+    }
+    top.truncate(n);
+    top.sort_unstable_by(by_logit);
+    let logprob = logits.get(token as usize).map_or(f32::NEG_INFINITY, |&l| lp(l));
+    TokenLogprobs { token, logprob, top: top.into_iter().map(|(t, l)| (t, lp(l))).collect() }
+}
+
 /// Index of the largest logit (lowest index among ties).
 pub fn argmax(logits: &[f32]) -> TokenId {
     let mut best = 0;
@@ -281,6 +304,26 @@ mod tests {
         let mut l = vec![3.0, 2.9];
         penalize(&mut l, &SamplingParams { presence_penalty: 1.0, ..SamplingParams::default() }, &[0], &[0]);
         assert_eq!(sample(&mut l, &params(0.0, 0, 1.0, 0), 1), 1);
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_the_top_tokens_first() {
+        let logits = vec![1.0f32, 3.0, 2.0, 3.0, -1.0];
+        let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
+        let want = |l: f32| (f64::from(l) - z.ln()) as f32;
+        let lp = logprobs(&logits, 2, 3);
+        assert_eq!(lp.token, 2);
+        assert!((lp.logprob - want(2.0)).abs() < 1e-6);
+        let ids: Vec<_> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 3, 2], "most likely first, lower id first among ties");
+        for (t, l) in &lp.top {
+            assert!((l - want(logits[*t as usize])).abs() < 1e-6);
+        }
+        assert!(logprobs(&logits, 0, 0).top.is_empty());
+        assert_eq!(logprobs(&logits, 0, 99).top.len(), logits.len());
+        // Large logits do not overflow.
+        let lp = logprobs(&[1000.0, 1000.0], 0, 1);
+        assert!((lp.logprob - (-std::f32::consts::LN_2)).abs() < 1e-6);
     }
 
     #[test]

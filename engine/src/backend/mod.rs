@@ -12,14 +12,13 @@ pub mod sim;
 
 use std::time::Duration;
 
-use crate::scheduler::{RequestId, SeqView};
-use crate::tokenizer::TokenId;
+use crate::scheduler::{Sampled, SeqView};
 
 /// Result of one step.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepOutput {
-    /// `(request, token)` for every sequence scheduled with `sample`.
-    pub sampled: Vec<(RequestId, TokenId)>,
+    /// A token for every sequence scheduled with `sample`.
+    pub sampled: Vec<Sampled>,
     /// Modelled duration of the step (simulated backends only).
     pub model_time: Option<Duration>,
 }

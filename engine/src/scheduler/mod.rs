@@ -100,8 +100,31 @@ pub struct SeqView<'a> {
     pub eos_allowed: bool,
 }
 
+/// One token a backend generated for a request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    /// Which request.
+    pub id: RequestId,
+    /// The token.
+    pub token: TokenId,
+    /// Its log probabilities, when the request asked for them.
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// Log probabilities of one generated token under the model's raw distribution (before
+/// penalties, temperature and filters, as vLLM reports them by default).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The generated token.
+    pub token: TokenId,
+    /// Its log probability.
+    pub logprob: f32,
+    /// The most likely tokens, most likely first (ties: lower id first).
+    pub top: Vec<(TokenId, f32)>,
+}
+
 /// Something the runtime must tell a client.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// New output of a request (text may be empty while held back).
     Token {
@@ -109,6 +132,8 @@ pub enum Event {
         id: RequestId,
         /// New text.
         text: String,
+        /// The token's log probabilities, when asked for.
+        logprobs: Option<TokenLogprobs>,
     },
     /// The request ended; no further events follow.
     Finished {
@@ -124,6 +149,8 @@ pub enum Event {
         completion_tokens: usize,
         /// Prompt tokens that were served from the prefix cache.
         cached_tokens: usize,
+        /// The last token's log probabilities, when asked for.
+        logprobs: Option<TokenLogprobs>,
     },
 }
 
@@ -355,7 +382,7 @@ impl Scheduler {
 
     /// Apply a computed step: advance progress, cache full blocks, append `sampled`
     /// tokens (one per scheduled request with `sample`), finish what is done.
-    pub fn apply(&mut self, plan: &StepPlan, sampled: &[(RequestId, TokenId)]) -> Vec<Event> {
+    pub fn apply(&mut self, plan: &StepPlan, sampled: Vec<Sampled>) -> Vec<Event> {
         let bs = self.pool.block_size();
         for s in &plan.seqs {
             let Some(req) = self.requests.get_mut(&s.id) else { continue };
@@ -370,7 +397,7 @@ impl Scheduler {
             }
         }
         let mut events = Vec::with_capacity(sampled.len());
-        for &(id, token) in sampled {
+        for Sampled { id, token, logprobs } in sampled {
             let Some(req) = self.requests.get_mut(&id) else { continue };
             if req.num_output_tokens() == 0 {
                 self.stats.prompt_tokens += req.num_prompt_tokens as u64;
@@ -379,7 +406,7 @@ impl Scheduler {
             let finish = req.append_token(token, self.tokenizer.as_ref(), self.cfg.max_model_len);
             let text = req.output.take_delta(&req.params.stop, finish.is_some());
             match finish {
-                None => events.push(Event::Token { id, text }),
+                None => events.push(Event::Token { id, text, logprobs }),
                 Some(reason) => {
                     let req = self.requests.remove(&id).expect("exists");
                     self.pool.free(&req.block_table);
@@ -391,6 +418,7 @@ impl Scheduler {
                         prompt_tokens: req.num_prompt_tokens,
                         completion_tokens: req.num_output_tokens(),
                         cached_tokens: req.num_cached_tokens,
+                        logprobs,
                     });
                 }
             }

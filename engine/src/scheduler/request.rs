@@ -41,6 +41,9 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// Seed of this request's sampler.
     pub seed: u64,
+    /// Log probabilities to return per generated token: `None` for none, `Some(n)` for the
+    /// chosen token's and the `n` most likely tokens'.
+    pub logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -59,6 +62,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: 0,
+            logprobs: None,
         }
     }
 }

@@ -33,7 +33,7 @@ use crate::runtime::{EngineHandle, RequestStream};
 use crate::scheduler::{Event, SamplingParams};
 use crate::tokenizer::{TokenId, Tokenizer};
 use openai::{Limits, PromptInput};
-use sse::{Endpoint, ResponseMeta, Usage};
+use sse::{Endpoint, Logprobs, ResponseMeta, Usage};
 
 /// Largest request body accepted (a 1 MiB prompt with room to spare).
 pub const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
@@ -203,21 +203,27 @@ async fn execute(
         Err(_) => return ApiError::Unavailable.into_response(),
     };
     if p.stream {
-        sse_response(meta, stream, p.include_usage)
+        sse_response(meta, stream, p.include_usage, st.tokenizer.clone())
     } else {
-        collect_response(meta, stream).await
+        collect_response(meta, stream, st.tokenizer.clone()).await
     }
 }
 
-async fn collect_response(meta: ResponseMeta, mut stream: RequestStream) -> Response {
+async fn collect_response(meta: ResponseMeta, mut stream: RequestStream, tok: Arc<dyn Tokenizer>) -> Response {
     let mut text = String::new();
+    let mut logprobs = Logprobs::default();
     while let Some(ev) = stream.next().await {
         match ev {
-            Event::Token { text: t, .. } => text.push_str(&t),
-            Event::Finished { text: t, reason, prompt_tokens, completion_tokens, cached_tokens, .. } => {
+            Event::Token { text: t, logprobs: lp, .. } => {
                 text.push_str(&t);
+                logprobs.extend(lp);
+            }
+            Event::Finished { text: t, reason, prompt_tokens, completion_tokens, cached_tokens, logprobs: lp, .. } => {
+                text.push_str(&t);
+                logprobs.extend(lp);
                 let usage = Usage::new(prompt_tokens, completion_tokens, cached_tokens);
-                return Json(meta.response(&text, reason.as_str(), usage)).into_response();
+                let lp = logprobs.render(meta.endpoint, tok.as_ref());
+                return Json(meta.response(&text, reason.as_str(), usage, lp.as_ref())).into_response();
             }
         }
     }
@@ -228,14 +234,26 @@ struct SseState {
     meta: ResponseMeta,
     stream: RequestStream,
     include_usage: bool,
+    tokenizer: Arc<dyn Tokenizer>,
+    /// Log probabilities of tokens whose text is still held back.
+    logprobs: Logprobs,
     first: bool,
     /// Chunks still to send after the engine finished (usage, `[DONE]`).
     tail: Vec<Bytes>,
     done: bool,
 }
 
-fn sse_response(meta: ResponseMeta, stream: RequestStream, include_usage: bool) -> Response {
-    let state = SseState { meta, stream, include_usage, first: true, tail: Vec::new(), done: false };
+fn sse_response(meta: ResponseMeta, stream: RequestStream, include_usage: bool, tok: Arc<dyn Tokenizer>) -> Response {
+    let state = SseState {
+        meta,
+        stream,
+        include_usage,
+        tokenizer: tok,
+        logprobs: Logprobs::default(),
+        first: true,
+        tail: Vec::new(),
+        done: false,
+    };
     let body = futures_util::stream::unfold(state, |mut s| async move {
         loop {
             if let Some(b) = s.tail.pop() {
@@ -246,22 +264,28 @@ fn sse_response(meta: ResponseMeta, stream: RequestStream, include_usage: bool) 
             }
             if s.first && s.meta.endpoint == Endpoint::Chat {
                 s.first = false;
-                return Some((Ok(s.meta.chunk(Some(""), true, None)), s));
+                return Some((Ok(s.meta.chunk(Some(""), true, None, None)), s));
             }
             match s.stream.next().await {
-                Some(Event::Token { text, .. }) => {
+                Some(Event::Token { text, logprobs, .. }) => {
+                    s.logprobs.extend(logprobs);
                     if !text.is_empty() {
-                        return Some((Ok(s.meta.chunk(Some(&text), false, None)), s));
+                        let lp = s.logprobs.render(s.meta.endpoint, s.tokenizer.as_ref());
+                        return Some((Ok(s.meta.chunk(Some(&text), false, None, lp.as_ref())), s));
                     }
                 }
-                Some(Event::Finished { text, reason, prompt_tokens, completion_tokens, cached_tokens, .. }) => {
+                Some(Event::Finished {
+                    text, reason, prompt_tokens, completion_tokens, cached_tokens, logprobs, ..
+                }) => {
+                    s.logprobs.extend(logprobs);
+                    let lp = s.logprobs.render(s.meta.endpoint, s.tokenizer.as_ref());
                     s.done = true;
                     s.tail.push(Bytes::from_static(sse::DONE));
                     if s.include_usage {
                         s.tail.push(s.meta.usage_chunk(Usage::new(prompt_tokens, completion_tokens, cached_tokens)));
                     }
                     let content = (!text.is_empty()).then_some(text.as_str());
-                    return Some((Ok(s.meta.chunk(content, false, Some(reason.as_str()))), s));
+                    return Some((Ok(s.meta.chunk(content, false, Some(reason.as_str()), lp.as_ref())), s));
                 }
                 None => {
                     s.done = true;

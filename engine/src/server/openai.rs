@@ -82,9 +82,9 @@ pub struct CommonParams {
     pub repetition_penalty: Option<f64>,
     /// Frequency penalty (applied by the cpu backend; the sim backend ignores it).
     pub frequency_penalty: Option<f64>,
-    /// Log probabilities (not supported yet).
+    /// Completions: how many top log probabilities per token; chat: whether to return them.
     pub logprobs: Option<serde_json::Value>,
-    /// Chat: top log probabilities (not supported yet).
+    /// Chat: how many top log probabilities per token.
     pub top_logprobs: Option<serde_json::Value>,
 }
 
@@ -245,9 +245,55 @@ pub struct Limits {
     pub kv_capacity_tokens: usize,
     /// Tokens per block.
     pub block_size: usize,
+    /// Most alternatives `logprobs`/`top_logprobs` may ask for (0: the backend has no
+    /// distribution, so log probabilities are refused).
+    pub max_logprobs: usize,
 }
 
-/// Validate the sampling fields against a prompt of `prompt_len` tokens.
+/// How many log probabilities a request asks for: completions' `logprobs: n`, chat's
+/// `logprobs: true` with `top_logprobs: n`. `None`: none; `Some(n)`: the chosen token's and
+/// the `n` most likely.
+pub fn logprobs_request(c: &CommonParams, chat: bool, max: usize) -> Result<Option<usize>, ApiError> {
+    use serde_json::Value;
+    let asked = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null() && v != &Value::Bool(false));
+    if max == 0 && (asked(&c.logprobs) || asked(&c.top_logprobs)) {
+        return Err(ApiError::invalid("logprobs", "this engine's backend (sim) has no token distribution to report"));
+    }
+    let count = |field: &str, v: &Value| -> Result<usize, ApiError> {
+        match v.as_u64() {
+            Some(n) if n as usize <= max => Ok(n as usize),
+            _ => Err(ApiError::invalid(field, format!("{field} must be an integer in [0, {max}], got {v}"))),
+        }
+    };
+    let top = c.top_logprobs.as_ref().filter(|v| !v.is_null());
+    let wanted = if chat {
+        let on = match &c.logprobs {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+            Some(Value::Bool(true)) => true,
+            Some(v) => return Err(ApiError::invalid("logprobs", format!("logprobs must be a boolean, got {v}"))),
+        };
+        match (on, top) {
+            (false, Some(_)) => {
+                return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs set to true"));
+            }
+            (false, None) => None,
+            (true, None) => Some(0),
+            (true, Some(v)) => Some(count("top_logprobs", v)?),
+        }
+    } else {
+        if top.is_some() {
+            return Err(ApiError::invalid("top_logprobs", "top_logprobs is a chat parameter; completions take logprobs: n"));
+        }
+        match &c.logprobs {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(count("logprobs", v)?),
+        }
+    };
+    Ok(wanted)
+}
+
+/// Validate the sampling fields against a prompt of `prompt_len` tokens; `prompt_field` is
+/// where the endpoint takes its prompt (`messages` for chat, `prompt` for completions).
 pub fn sampling_params(
     c: &CommonParams,
     prompt_len: usize,
@@ -263,13 +309,7 @@ pub fn sampling_params(
             ));
         }
     }
-    match &c.logprobs {
-        None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => {}
-        Some(v) => return Err(ApiError::invalid("logprobs", format!("logprobs are not supported yet, got {v}"))),
-    }
-    if c.top_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(ApiError::invalid("top_logprobs", "top_logprobs are not supported yet"));
-    }
+    let logprobs = logprobs_request(c, prompt_field == "messages", limits.max_logprobs)?;
     let max_len = limits.max_model_len;
     if prompt_len >= max_len {
         return Err(ApiError::invalid(
@@ -396,5 +436,6 @@ pub fn sampling_params(
         presence_penalty: c.presence_penalty.unwrap_or(0.0) as f32,
         frequency_penalty: c.frequency_penalty.unwrap_or(0.0) as f32,
         seed: c.seed.map_or(default_seed, |s| s as u64),
+        logprobs,
     })
 }

@@ -3,6 +3,10 @@
 
 use bytes::Bytes;
 use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::scheduler::TokenLogprobs;
+use crate::tokenizer::{TokenId, Tokenizer};
 
 /// Which endpoint a response belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,7 +61,7 @@ struct Delta<'a> {
 struct ChatChunkChoice<'a> {
     index: u32,
     delta: Delta<'a>,
-    logprobs: Option<()>,
+    logprobs: Option<&'a Value>,
     finish_reason: Option<&'a str>,
 }
 
@@ -65,7 +69,7 @@ struct ChatChunkChoice<'a> {
 struct TextChoice<'a> {
     index: u32,
     text: &'a str,
-    logprobs: Option<()>,
+    logprobs: Option<&'a Value>,
     finish_reason: Option<&'a str>,
 }
 
@@ -79,7 +83,7 @@ struct ChatMessageOut<'a> {
 struct ChatChoice<'a> {
     index: u32,
     message: ChatMessageOut<'a>,
-    logprobs: Option<()>,
+    logprobs: Option<&'a Value>,
     finish_reason: &'a str,
 }
 
@@ -112,16 +116,23 @@ impl ResponseMeta {
         Envelope { id: &self.id, object, created: self.created, model: &self.model, choices, usage }
     }
 
-    /// One SSE event carrying `text` (chat: as `delta.content`; `role` on the first chunk).
-    pub fn chunk(&self, text: Option<&str>, first: bool, finish_reason: Option<&str>) -> Bytes {
+    /// One SSE event carrying `text` (chat: as `delta.content`; `role` on the first chunk)
+    /// and the log probabilities of its tokens ([`Logprobs::render`]).
+    pub fn chunk(
+        &self,
+        text: Option<&str>,
+        first: bool,
+        finish_reason: Option<&str>,
+        logprobs: Option<&Value>,
+    ) -> Bytes {
         let json = match self.endpoint {
             Endpoint::Chat => {
                 let delta = Delta { role: first.then_some("assistant"), content: text };
-                let choice = ChatChunkChoice { index: 0, delta, logprobs: None, finish_reason };
+                let choice = ChatChunkChoice { index: 0, delta, logprobs, finish_reason };
                 serde_json::to_vec(&self.envelope("chat.completion.chunk", [choice], None))
             }
             Endpoint::Completions => {
-                let choice = TextChoice { index: 0, text: text.unwrap_or(""), logprobs: None, finish_reason };
+                let choice = TextChoice { index: 0, text: text.unwrap_or(""), logprobs, finish_reason };
                 serde_json::to_vec(&self.envelope("text_completion", [choice], None))
             }
         };
@@ -139,23 +150,86 @@ impl ResponseMeta {
     }
 
     /// A whole (non-streamed) response.
-    pub fn response(&self, text: &str, finish_reason: &str, usage: Usage) -> serde_json::Value {
+    pub fn response(&self, text: &str, finish_reason: &str, usage: Usage, logprobs: Option<&Value>) -> Value {
         let v = match self.endpoint {
             Endpoint::Chat => {
                 let choice = ChatChoice {
                     index: 0,
                     message: ChatMessageOut { role: "assistant", content: text },
-                    logprobs: None,
+                    logprobs,
                     finish_reason,
                 };
                 serde_json::to_value(self.envelope("chat.completion", [choice], Some(usage)))
             }
             Endpoint::Completions => {
-                let choice = TextChoice { index: 0, text, logprobs: None, finish_reason: Some(finish_reason) };
+                let choice = TextChoice { index: 0, text, logprobs, finish_reason: Some(finish_reason) };
                 serde_json::to_value(self.envelope("text_completion", [choice], Some(usage)))
             }
         };
         v.expect("response serializes")
+    }
+}
+
+/// Log probabilities of a response's tokens, gathered as they are generated and rendered
+/// in the endpoint's shape: completions' `{tokens, token_logprobs, top_logprobs,
+/// text_offset}` (each `top_logprobs` entry maps token text to log probability and, as in
+/// vLLM, includes the chosen token), chat's `{content: [{token, logprob, bytes,
+/// top_logprobs}]}`. Token text is each token decoded alone.
+#[derive(Debug, Default)]
+pub struct Logprobs {
+    pending: Vec<TokenLogprobs>,
+    /// Bytes of token text already rendered (completions' `text_offset`).
+    offset: usize,
+}
+
+impl Logprobs {
+    /// Gather a token's log probabilities (`None`: the request asked for none).
+    pub fn extend(&mut self, lp: Option<TokenLogprobs>) {
+        self.pending.extend(lp);
+    }
+
+    /// Render the tokens gathered since the last call (`None` when there are none).
+    pub fn render(&mut self, endpoint: Endpoint, tok: &dyn Tokenizer) -> Option<Value> {
+        if self.pending.is_empty() {
+            return None;
+        }
+        let text = |t: TokenId| tok.decode(&[t]);
+        let v = match endpoint {
+            Endpoint::Completions => {
+                let (mut tokens, mut lps, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
+                for lp in self.pending.drain(..) {
+                    let t = text(lp.token);
+                    let mut top = serde_json::Map::new();
+                    for &(id, l) in &lp.top {
+                        top.insert(text(id), json!(l));
+                    }
+                    top.entry(t.clone()).or_insert(json!(lp.logprob));
+                    offsets.push(self.offset);
+                    self.offset += t.len();
+                    tokens.push(t);
+                    lps.push(lp.logprob);
+                    tops.push(Value::Object(top));
+                }
+                json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
+            }
+            Endpoint::Chat => {
+                let entry = |id: TokenId, l: f32| {
+                    let t = text(id);
+                    json!({"token": t, "logprob": l, "bytes": t.as_bytes()})
+                };
+                let content: Vec<Value> = self
+                    .pending
+                    .drain(..)
+                    .map(|lp| {
+                        let mut e = entry(lp.token, lp.logprob);
+                        e["top_logprobs"] = lp.top.iter().map(|&(id, l)| entry(id, l)).collect();
+                        e
+                    })
+                    .collect();
+                json!({ "content": content })
+            }
+        };
+        Some(v)
     }
 }
 

@@ -15,7 +15,7 @@ pub mod profiles;
 pub mod roofline;
 
 use super::{Backend, StepOutput};
-use crate::scheduler::SeqView;
+use crate::scheduler::{Sampled, SeqView};
 use crate::tokenizer::{SimTokenizer, TokenId};
 pub use profiles::{profile, SimProfile, PROFILE_NAMES};
 pub use roofline::{kv_cache_blocks, step_time, StepShape};
@@ -53,7 +53,12 @@ impl Backend for SimBackend {
         let sampled = batch
             .iter()
             .filter(|s| s.sched.sample)
-            .map(|s| (s.sched.id, self.token_at(s.params.seed, s.num_output_tokens, s.eos_allowed)))
+            .map(|s| Sampled {
+                id: s.sched.id,
+                token: self.token_at(s.params.seed, s.num_output_tokens, s.eos_allowed),
+                // A timing model has no distribution; the server refuses `logprobs` for it.
+                logprobs: None,
+            })
             .collect();
         StepOutput { sampled, model_time: Some(step_time(&self.profile, &shape)) }
     }
