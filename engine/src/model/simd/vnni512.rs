@@ -246,6 +246,9 @@ unsafe fn tile_one<const TY: u8, const R: usize>(
         let (xv, xd) = unsafe { (_mm512_load_si512(xb.qs.as_ptr() as *const _), _mm512_load_ps(xb.d.as_ptr())) };
         let init = if signed { offset_sums::<TY>(xv) } else { _mm512_setzero_si512() };
         for i in 0..R {
+            // Decode streams every weight once from L3 or memory: ask for the same place two
+            // tiles ahead now. A prefetch never faults, so the address may run past `w`.
+            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((i + 2 * R) * row_bytes + p * 2 * bytes) as *const i8);
             // SAFETY: row `i`, pair `p` is within `w` (caller's contract).
             let (wv, ws) = unsafe { unpack::<TY>(w.add(i * row_bytes + p * 2 * bytes), single) };
             let wd = _mm512_permutexvar_ps(idx_d, _mm512_castps128_ps512(ws));
@@ -312,6 +315,8 @@ unsafe fn tile_many<const TY: u8, const R: usize, const P: usize>(
         // SAFETY: 8 values of block `b` are readable at `s` (caller's contract).
         let sv = if TY == Q4_1 { unsafe { _mm256_loadu_ps(s.add(b * s_stride)) } } else { _mm256_setzero_ps() };
         for i in 0..R {
+            // As in `tile_one` (a prefetch never faults).
+            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((i + 2 * R) * row_bytes + b * bytes) as *const i8);
             // SAFETY: row `i`, block `b` is within `w` (caller's contract).
             let (wv, ws) = unsafe { unpack1::<TY>(w.add(i * row_bytes + b * bytes)) };
             let wd = _mm512_broadcastss_ps(ws);
