@@ -724,6 +724,39 @@ mod tests {
         out
     }
 
+    /// The forward pass splits a decode row's attention by K/V head: each head group alone
+    /// (its K/V rows `h · hd` into every slot) must give the same bits as the whole row.
+    #[test]
+    fn attention_split_by_kv_head_is_bit_identical() {
+        let mut seed = 7u64;
+        let mut rnd =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| (lcg(&mut seed) % 2000) as f32 / 1000.0 - 1.0).collect() };
+        for kernel in [Kernel::Portable, Kernel::detect()] {
+            for head_dim in [32, 64, 128] {
+                let shape = AttnShape { n_heads: 9, n_kv_heads: 3, head_dim };
+                let (dim, kvd, group) = (9 * head_dim, 3 * head_dim, 3);
+                let positions = 37;
+                let (k, v) = (rnd(positions * 2 * kvd), rnd(positions * 2 * kvd));
+                // Scattered slots (every other row of the cache, backwards).
+                let slots: Vec<usize> = (0..positions).map(|p| (2 * (positions - 1 - p) + 1) * kvd).collect();
+                let q = rnd(dim);
+                let mut scores = Vec::new();
+                let mut whole = vec![0f32; dim];
+                let lens = [positions];
+                attend_rows(kernel, shape, &q, &mut whole, KvRows { k: &k, v: &v, slots: &slots }, &lens, &mut scores);
+                let one = AttnShape { n_heads: group, n_kv_heads: 1, head_dim };
+                for h in 0..3 {
+                    let span = h * group * head_dim..(h + 1) * group * head_dim;
+                    let mut part = vec![0f32; group * head_dim];
+                    let kv = KvRows { k: &k[h * head_dim..], v: &v[h * head_dim..], slots: &slots };
+                    attend_rows(kernel, one, &q[span.clone()], &mut part, kv, &lens, &mut scores);
+                    let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&part), bits(&whole[span]), "{kernel:?}, head_dim {head_dim}, K/V head {h}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn simd_and_portable_kernels_agree_on_every_type() {
         let k = Kernel::detect();
