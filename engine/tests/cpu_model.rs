@@ -99,7 +99,10 @@ async fn logprobs_follow_openai_and_agree_with_greedy_choice() {
         let top = lp["top_logprobs"][i].as_object().unwrap();
         assert!((3..=4).contains(&top.len()), "3 alternatives plus the chosen token: {top:?}");
         let best = top.values().map(|x| x.as_f64().unwrap()).fold(f64::NEG_INFINITY, f64::max);
-        assert!(chosen <= 0.0 && (chosen - best).abs() < 1e-6, "greedy picks the most likely token: {chosen} vs {best}");
+        assert!(
+            chosen <= 0.0 && (chosen - best).abs() < 1e-6,
+            "greedy picks the most likely token: {chosen} vs {best}"
+        );
         assert_eq!(top[*t].as_f64().unwrap(), chosen);
         let mass: f64 = top.values().map(|x| x.as_f64().unwrap().exp()).sum();
         assert!(mass <= 1.0 + 1e-5, "probabilities of distinct tokens sum to at most 1: {mass}");
@@ -142,7 +145,11 @@ async fn logprobs_follow_openai_and_agree_with_greedy_choice() {
         ("/v1/completions", json!({"prompt": "a", "logprobs": 21}), "logprobs must be an integer in [0, 20]"),
         ("/v1/completions", json!({"prompt": "a", "logprobs": true}), "logprobs must be an integer"),
         ("/v1/completions", json!({"prompt": "a", "top_logprobs": 2}), "top_logprobs is a chat parameter"),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}), "needs logprobs"),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}),
+            "needs logprobs",
+        ),
         ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "a"}], "logprobs": 2}), "boolean"),
     ] {
         let r = post(addr, path, &body).await;

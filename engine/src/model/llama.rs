@@ -16,6 +16,7 @@
 //! then each token attends to positions `0..=p` through the table. Blocks shared through the
 //! prefix cache are simply read by several sequences.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -23,6 +24,7 @@ use rayon::prelude::*;
 use super::gguf::{GgmlType, GgufError, GgufFile};
 use super::quant::{dequantize_row, QuantError};
 use super::simd::{attend_rows, dot_row, dot_rows_tokens, AttnShape, Kernel, KvRows, QuantizedActs};
+use super::tp::{CommError, Communicator, TpDims, TpPlan};
 use crate::kv::BlockId;
 use crate::tokenizer::TokenId;
 
@@ -102,6 +104,9 @@ pub enum ModelError {
     /// A kernel rejected a weight.
     #[error(transparent)]
     Quant(#[from] QuantError),
+    /// A tensor-parallel collective failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
 }
 
 /// Raw bytes of a weight: a range of a shared buffer (a mapped file or an owned vector).
@@ -161,6 +166,26 @@ impl Matrix {
     /// Row `r` as f32.
     pub fn row_f32(&self, r: usize, out: &mut [f32]) -> Result<(), QuantError> {
         dequantize_row(self.ty, self.row(r), out)
+    }
+
+    /// Rows `r` as a matrix over the same buffer (no copy).
+    pub fn row_range(&self, r: Range<usize>) -> Matrix {
+        debug_assert!(r.end <= self.rows);
+        Matrix { start: self.start + r.start * self.row_bytes(), rows: r.len(), ..self.clone() }
+    }
+
+    /// Columns `c` of every row, copied into a new buffer; `c` must fall on quantization
+    /// blocks.
+    pub fn col_range(&self, c: Range<usize>) -> Result<Matrix, QuantError> {
+        let (b0, b1) = (self.ty.bytes_for(c.start), self.ty.bytes_for(c.end));
+        if !c.start.is_multiple_of(self.ty.block_len()) || !c.end.is_multiple_of(self.ty.block_len()) {
+            return Err(QuantError::Shape { ty: self.ty, row: c.len(), bytes: b1 - b0, n: b1 - b0 });
+        }
+        let mut out = Vec::with_capacity(self.rows * (b1 - b0));
+        for r in 0..self.rows {
+            out.extend_from_slice(&self.row(r)[b0..b1]);
+        }
+        Matrix::new(Arc::new(out), 0, self.ty, self.rows, c.len())
     }
 }
 
@@ -269,12 +294,18 @@ pub struct KvStore {
 impl KvStore {
     /// Storage for `num_blocks` blocks of `block_size` tokens of a model shaped like `cfg`.
     pub fn new(cfg: &LlamaConfig, num_blocks: usize, block_size: usize) -> Self {
-        let per_layer = num_blocks * block_size * cfg.kv_dim();
+        Self::with_kv_dim(cfg.n_layers, cfg.kv_dim(), num_blocks, block_size)
+    }
+
+    /// Storage for a model (or one tensor-parallel rank of it) with `kv_dim` floats of K per
+    /// token per layer.
+    pub fn with_kv_dim(n_layers: usize, kv_dim: usize, num_blocks: usize, block_size: usize) -> Self {
+        let per_layer = num_blocks * block_size * kv_dim;
         Self {
             block_size,
-            kv_dim: cfg.kv_dim(),
-            k: (0..cfg.n_layers).map(|_| vec![0.0; per_layer]).collect(),
-            v: (0..cfg.n_layers).map(|_| vec![0.0; per_layer]).collect(),
+            kv_dim,
+            k: (0..n_layers).map(|_| vec![0.0; per_layer]).collect(),
+            v: (0..n_layers).map(|_| vec![0.0; per_layer]).collect(),
         }
     }
 
@@ -394,11 +425,77 @@ impl Llama {
         Self { cfg, embed, layers, norm, lm_head, inv_freq }
     }
 
+    /// The dimensions a tensor-parallel split must respect.
+    pub fn tp_dims(&self) -> TpDims {
+        let c = &self.cfg;
+        let block = |m: Option<&Matrix>| m.map_or(1, |m| m.ty.block_len());
+        TpDims {
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim(),
+            ffn_dim: c.ffn_dim,
+            vocab: c.vocab,
+            o_block: block(self.layers.first().map(|l| &l.wo)),
+            down_block: block(self.layers.first().map(|l| &l.w_down)),
+        }
+    }
+
+    /// The part of this model that rank `plan.rank` owns ([`super::tp`]): its heads' rows
+    /// of Q/K/V, its input columns of O (copied), its rows of gate/up, its input columns of
+    /// down (copied), its vocabulary rows of the LM head; embedding and norms whole.
+    pub fn shard(&self, plan: &TpPlan) -> Result<Llama, ModelError> {
+        let hd = self.cfg.head_dim();
+        let scaled = |r: &Range<usize>| r.start * hd..r.end * hd;
+        let (q, kv, f) = (scaled(&plan.heads), scaled(&plan.kv_heads), plan.ffn.clone());
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(LayerWeights {
+                    attn_norm: l.attn_norm.clone(),
+                    wq: l.wq.row_range(q.clone()),
+                    wk: l.wk.row_range(kv.clone()),
+                    wv: l.wv.row_range(kv.clone()),
+                    wo: l.wo.col_range(q.clone())?,
+                    ffn_norm: l.ffn_norm.clone(),
+                    w_gate: l.w_gate.row_range(f.clone()),
+                    w_up: l.w_up.row_range(f.clone()),
+                    w_down: l.w_down.col_range(f.clone())?,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let lm_head = self.lm_head.row_range(plan.vocab.clone());
+        Ok(Llama { layers, lm_head, ..self.clone() })
+    }
+
+    /// K/V storage for this model (or rank: its K/V heads only).
+    pub fn kv_store(&self, num_blocks: usize, block_size: usize) -> KvStore {
+        let kv_dim = self.layers.first().map_or(self.cfg.kv_dim(), |l| l.wk.rows);
+        KvStore::with_kv_dim(self.cfg.n_layers, kv_dim, num_blocks, block_size)
+    }
+
     /// Run one step over `seqs`, updating `kv`. Returns the logits (`vocab` floats) of the
     /// last token of every sequence that asked for them, in order.
     pub fn forward(&self, kv: &mut KvStore, seqs: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.forward_rank(kv, seqs, None)
+    }
+
+    /// [`Self::forward`] for one rank of a tensor-parallel group (`self` a [`Self::shard`]):
+    /// the partial outputs of O and down are summed over `comm`, and rank 0 gathers the
+    /// logits (other ranks return none). `None`: the whole model, no collectives.
+    pub fn forward_rank(
+        &self,
+        kv: &mut KvStore,
+        seqs: &[SeqInput<'_>],
+        comm: Option<(&dyn Communicator, usize)>,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let c = &self.cfg;
-        let (dim, kvd) = (c.dim, c.kv_dim());
+        let Some(l0) = self.layers.first() else { return Err(cfg_err("block_count", "the model has no blocks")) };
+        // This rank's widths (the whole model's without TP): attention, K/V, MLP, vocabulary.
+        let (dim, qd, kvd, ffn, vocab) = (c.dim, l0.wq.rows, l0.wk.rows, l0.w_gate.rows, self.lm_head.rows);
+        if kv.kv_dim != kvd {
+            return Err(cfg_err("kv_cache", format!("holds {} floats per token, the model needs {kvd}", kv.kv_dim)));
+        }
         // Row r of the batch: (sequence index, position).
         let rows: Vec<(usize, usize)> =
             seqs.iter().enumerate().flat_map(|(s, q)| (0..q.tokens.len()).map(move |i| (s, q.start + i))).collect();
@@ -421,10 +518,10 @@ impl Llama {
         }
         let mut scratch = Scratch::default();
         let mut n = vec![0f32; t * dim];
-        let (mut q, mut k, mut v) = (vec![0f32; t * dim], vec![0f32; t * kvd], vec![0f32; t * kvd]);
-        let mut att = vec![0f32; t * dim];
+        let (mut q, mut k, mut v) = (vec![0f32; t * qd], vec![0f32; t * kvd], vec![0f32; t * kvd]);
+        let mut att = vec![0f32; t * qd];
         let mut o = vec![0f32; t * dim];
-        let (mut g, mut u) = (vec![0f32; t * c.ffn_dim], vec![0f32; t * c.ffn_dim]);
+        let (mut g, mut u) = (vec![0f32; t * ffn], vec![0f32; t * ffn]);
         // Where each row's positions 0..=pos live in the cache: the same in every layer.
         let slots: Vec<Vec<usize>> =
             rows.iter().map(|&(s, pos)| (0..=pos).map(|p| kv.slot(seqs[s].block_table, p)).collect()).collect();
@@ -441,7 +538,7 @@ impl Llama {
             rmsnorm(&x, &l.attn_norm, c.eps, &mut n);
             matmul(&[&l.wq, &l.wk, &l.wv], &n, &mut [&mut q, &mut k, &mut v], &mut scratch)?;
             for (r, &(_, pos)) in rows.iter().enumerate() {
-                self.rope(&mut q[r * dim..(r + 1) * dim], pos);
+                self.rope(&mut q[r * qd..(r + 1) * qd], pos);
                 self.rope(&mut k[r * kvd..(r + 1) * kvd], pos);
             }
             // Write this step's K/V first: a token attends to itself and to the earlier
@@ -452,25 +549,48 @@ impl Llama {
                 kv.v[li][at..at + kvd].copy_from_slice(&v[r * kvd..(r + 1) * kvd]);
             }
             let (kc, vc) = (&kv.k[li], &kv.v[li]);
-            let (kernel, shape) = (scratch.kernel, c.attn_shape());
+            let (kernel, hd) = (scratch.kernel, c.head_dim());
+            let shape = AttnShape { n_heads: qd / hd, n_kv_heads: kvd / hd, head_dim: hd };
+            let group = shape.n_heads / shape.n_kv_heads;
+            // One job per tile, except that a lone row (a decode) is split by K/V head so one
+            // sequence's attention still spreads over the pool. Heads are independent: a
+            // head's result is the same bits either way.
             let mut rest: &mut [f32] = &mut att;
-            let mut jobs = Vec::with_capacity(tiles.len());
+            let mut jobs = Vec::with_capacity(tiles.len() * shape.n_kv_heads);
             for &(r0, n) in &tiles {
-                let (out, tail) = rest.split_at_mut(n * dim);
+                let (out, tail) = rest.split_at_mut(n * qd);
                 rest = tail;
-                jobs.push((r0, n, out));
+                if n == 1 {
+                    jobs.extend(out.chunks_exact_mut(group * hd).enumerate().map(|(h, o)| (r0, 1, Some(h), o)));
+                } else {
+                    jobs.push((r0, n, None, out));
+                }
             }
-            jobs.into_par_iter().for_each_init(Vec::new, |scores, (r0, n, out)| {
-                let kv = KvRows { k: kc, v: vc, slots: &slots[r0 + n - 1] };
-                attend_rows(kernel, shape, &q[r0 * dim..(r0 + n) * dim], out, kv, &lens[r0..r0 + n], scores);
+            jobs.into_par_iter().for_each_init(Vec::new, |scores, (r0, n, head, out)| {
+                let (rows, slots, lens) = (&q[r0 * qd..(r0 + n) * qd], &slots[r0 + n - 1], &lens[r0..r0 + n]);
+                match head {
+                    None => attend_rows(kernel, shape, rows, out, KvRows { k: kc, v: vc, slots }, lens, scores),
+                    Some(h) => {
+                        // K/V head `h` alone: its rows start `h · hd` into each cached slot.
+                        let one = AttnShape { n_heads: group, n_kv_heads: 1, head_dim: hd };
+                        let kv = KvRows { k: &kc[h * hd..], v: &vc[h * hd..], slots };
+                        attend_rows(kernel, one, &rows[h * group * hd..(h + 1) * group * hd], out, kv, lens, scores);
+                    }
+                }
             });
             matmul(&[&l.wo], &att, &mut [&mut o], &mut scratch)?;
+            if let Some((comm, rank)) = comm {
+                comm.all_reduce_sum(rank, &mut o)?;
+            }
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
 
             rmsnorm(&x, &l.ffn_norm, c.eps, &mut n);
             matmul(&[&l.w_gate, &l.w_up], &n, &mut [&mut g, &mut u], &mut scratch)?;
             g.iter_mut().zip(&u).for_each(|(a, b)| *a = *a / (1.0 + (-*a).exp()) * b);
             matmul(&[&l.w_down], &g, &mut [&mut o], &mut scratch)?;
+            if let Some((comm, rank)) = comm {
+                comm.all_reduce_sum(rank, &mut o)?;
+            }
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         }
         // Logits only for the last token of the sequences that sample.
@@ -485,9 +605,26 @@ impl Llama {
         let m = last.len() / dim;
         let mut normed = vec![0f32; last.len()];
         rmsnorm(&last, &self.norm, c.eps, &mut normed);
-        let mut logits = vec![0f32; m * c.vocab];
+        let mut logits = vec![0f32; m * vocab];
         matmul(&[&self.lm_head], &normed, &mut [&mut logits], &mut scratch)?;
-        Ok(logits.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
+        let Some((comm, rank)) = comm else {
+            return Ok(logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect());
+        };
+        // Vocabulary-parallel head: row i of the logits is every rank's row i, in rank order.
+        let parts = comm.gather_to_first(rank, &logits)?;
+        if rank != 0 {
+            return Ok(Vec::new());
+        }
+        Ok((0..m)
+            .map(|i| {
+                let mut row = Vec::with_capacity(c.vocab);
+                for p in &parts {
+                    let w = p.len() / m.max(1);
+                    row.extend_from_slice(&p[i * w..(i + 1) * w]);
+                }
+                row
+            })
+            .collect())
     }
 
     fn rope(&self, v: &mut [f32], pos: usize) {

@@ -11,6 +11,7 @@ pub mod llama;
 pub mod quant;
 pub mod simd;
 pub mod tokenizer;
+pub mod tp;
 
 use std::path::PathBuf;
 

@@ -19,7 +19,8 @@ fn req(id: RequestId, prompt_len: usize, max_tokens: usize) -> Request {
 /// Sample a word for every sampling sequence of the plan.
 fn run_step(s: &mut Scheduler) -> (StepPlan, Vec<Event>) {
     let plan = s.schedule();
-    let sampled = plan.seqs.iter().filter(|q| q.sample).map(|q| Sampled { id: q.id, token: 5, logprobs: None }).collect();
+    let sampled =
+        plan.seqs.iter().filter(|q| q.sample).map(|q| Sampled { id: q.id, token: 5, logprobs: None }).collect();
     let events = s.apply(&plan, sampled);
     (plan, events)
 }

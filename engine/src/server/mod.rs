@@ -218,7 +218,9 @@ async fn collect_response(meta: ResponseMeta, mut stream: RequestStream, tok: Ar
                 text.push_str(&t);
                 logprobs.extend(lp);
             }
-            Event::Finished { text: t, reason, prompt_tokens, completion_tokens, cached_tokens, logprobs: lp, .. } => {
+            Event::Finished {
+                text: t, reason, prompt_tokens, completion_tokens, cached_tokens, logprobs: lp, ..
+            } => {
                 text.push_str(&t);
                 logprobs.extend(lp);
                 let usage = Usage::new(prompt_tokens, completion_tokens, cached_tokens);
@@ -275,7 +277,13 @@ fn sse_response(meta: ResponseMeta, stream: RequestStream, include_usage: bool, 
                     }
                 }
                 Some(Event::Finished {
-                    text, reason, prompt_tokens, completion_tokens, cached_tokens, logprobs, ..
+                    text,
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                    cached_tokens,
+                    logprobs,
+                    ..
                 }) => {
                     s.logprobs.extend(logprobs);
                     let lp = s.logprobs.render(s.meta.endpoint, s.tokenizer.as_ref());

@@ -282,7 +282,10 @@ pub fn logprobs_request(c: &CommonParams, chat: bool, max: usize) -> Result<Opti
         }
     } else {
         if top.is_some() {
-            return Err(ApiError::invalid("top_logprobs", "top_logprobs is a chat parameter; completions take logprobs: n"));
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "top_logprobs is a chat parameter; completions take logprobs: n",
+            ));
         }
         match &c.logprobs {
             None | Some(Value::Null) => None,
