@@ -43,7 +43,9 @@ pub struct EngineArgs {
     /// GPU + model the sim backend models (see `engine/README.md`).
     #[arg(long, default_value = "h100-llama3-8b")]
     pub sim_profile: String,
-    /// Tensor-parallel degree (sim: overrides the profile's).
+    /// Tensor-parallel degree: ranks that each hold 1/N of every layer and meet in two
+    /// all-reduces per layer (sim: the profile's GPU count; cpu: rank threads sharing
+    /// --threads).
     #[arg(long)]
     pub tensor_parallel_size: Option<usize>,
     /// Tokens per KV block.
@@ -112,6 +114,8 @@ pub struct EngineConfig {
     pub kv_cache_bytes: usize,
     /// cpu: compute threads.
     pub threads: usize,
+    /// Tensor-parallel ranks (the sim profile's `tp` for the sim backend).
+    pub tensor_parallel_size: usize,
 }
 
 fn invalid(field: &'static str, value: impl ToString, reason: impl Into<String>) -> ConfigError {
@@ -134,6 +138,8 @@ impl EngineConfig {
                 return Err(invalid("--tensor-parallel-size", tp, "must be between 1 and 64"));
             }
             profile.tp = tp;
+        } else if a.backend == BackendKind::Cpu {
+            profile.tp = 1;
         }
         if !a.block_size.is_power_of_two() || a.block_size > 256 {
             return Err(invalid("--block-size", a.block_size, "must be a power of two between 1 and 256"));
@@ -189,6 +195,7 @@ impl EngineConfig {
             (BackendKind::Cpu, Some(m)) => std::path::PathBuf::from(m),
             _ => crate::model::default_model_path(),
         };
+        let tensor_parallel_size = profile.tp;
         Ok(EngineConfig {
             listen: SocketAddr::new(ip, a.port),
             backend: a.backend,
@@ -206,6 +213,7 @@ impl EngineConfig {
             model_path,
             kv_cache_bytes: (a.kv_cache_space * (1u64 << 30) as f64) as usize,
             threads,
+            tensor_parallel_size,
         })
     }
 
@@ -236,6 +244,14 @@ mod tests {
         assert_eq!(c.served_model_name, "meta-llama/Meta-Llama-3-8B-Instruct");
         assert!(c.enable_prefix_caching);
         assert!(c.num_blocks > 20_000, "an H100 holds ~400k Llama-3-8B tokens: {}", c.num_blocks);
+    }
+
+    #[test]
+    fn tensor_parallel_size_means_ranks_for_both_backends() {
+        assert_eq!(parse(&[]).unwrap().tensor_parallel_size, 1);
+        assert_eq!(parse(&["--sim-profile", "h100x4-llama3-70b"]).unwrap().tensor_parallel_size, 4);
+        assert_eq!(parse(&["--backend", "cpu"]).unwrap().tensor_parallel_size, 1);
+        assert_eq!(parse(&["--backend", "cpu", "--tensor-parallel-size", "3"]).unwrap().tensor_parallel_size, 3);
     }
 
     #[test]

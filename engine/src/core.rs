@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::backend::cpu::{self, CpuBackend};
 use crate::backend::sim::SimBackend;
-use crate::backend::Backend;
+use crate::backend::{Backend, BackendFailure};
 use crate::config::{BackendKind, EngineConfig};
 use crate::kv::BlockPool;
 use crate::model::llama::KvStore;
@@ -77,7 +77,11 @@ impl EngineCore {
                     }
                 }
                 let eos = loaded.tokenizer.eos_token_id();
-                let backend = CpuBackend::new(loaded.model, eos, cfg.num_blocks, cfg.block_size, cfg.threads)?;
+                let tp = cfg.tensor_parallel_size;
+                let fail_rank =
+                    std::env::var(crate::backend::tp_group::FAIL_RANK_ENV).ok().and_then(|v| v.parse().ok());
+                let backend =
+                    CpuBackend::new(loaded.model, eos, cfg.num_blocks, cfg.block_size, cfg.threads, tp, fail_rank)?;
                 (Arc::new(loaded.tokenizer), Box::new(backend))
             }
         };
@@ -86,22 +90,23 @@ impl EngineCore {
         Ok((cfg, EngineCore::new(scheduler, backend), tokenizer))
     }
 
-    /// Run one step; `None` when there is nothing to schedule.
-    pub fn step(&mut self) -> Option<StepResult> {
+    /// Run one step; `None` when there is nothing to schedule. An error means the backend
+    /// cannot continue (the step is lost).
+    pub fn step(&mut self) -> Result<Option<StepResult>, BackendFailure> {
         let plan = self.scheduler.schedule();
         if plan.is_empty() {
-            return None;
+            return Ok(None);
         }
         let out = {
             let batch = self.scheduler.batch(&plan);
-            self.backend.execute(&batch)
+            self.backend.execute(&batch)?
         };
         let events = self.scheduler.apply(&plan, out.sampled);
-        Some(StepResult {
+        Ok(Some(StepResult {
             events,
             model_time: out.model_time,
             num_batched_tokens: plan.num_batched_tokens(),
             num_preempted: plan.preempted.len(),
-        })
+        }))
     }
 }

@@ -27,6 +27,7 @@ use std::sync::Arc;
 
 use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 
 pub use config::{EngineArgs, EngineConfig};
 
@@ -40,6 +41,8 @@ pub struct Engine {
     pub thread: std::thread::JoinHandle<()>,
     /// The configuration, completed by the model (cpu: context length, KV blocks).
     pub config: EngineConfig,
+    /// Why the engine thread stopped, once it has failed (`None` while it works).
+    pub failed: watch::Receiver<Option<String>>,
 }
 
 /// Build the engine a configuration describes and start its thread.
@@ -48,7 +51,7 @@ pub fn build(cfg: &EngineConfig) -> anyhow::Result<Engine> {
     let cfg = &cfg;
     let registry = prometheus::Registry::new();
     let metrics = metrics::EngineMetrics::new(&registry, &cfg.served_model_name, cfg.block_size, cfg.num_blocks)?;
-    let (handle, thread) = runtime::spawn(core, metrics);
+    let (handle, thread, failed) = runtime::spawn(core, metrics);
     let limits = server::openai::Limits {
         max_model_len: cfg.scheduler.max_model_len,
         kv_capacity_tokens: cfg.kv_capacity_tokens(),
@@ -59,20 +62,38 @@ pub fn build(cfg: &EngineConfig) -> anyhow::Result<Engine> {
             config::BackendKind::Sim => 0,
         },
     };
-    let state =
-        Arc::new(server::AppState::new(handle, tokenizer, cfg.served_model_name.clone(), limits, cfg.seed, registry));
-    Ok(Engine { router: server::router(state.clone()), state, thread, config: cfg.clone() })
+    let state = Arc::new(server::AppState::new(
+        handle,
+        tokenizer,
+        cfg.served_model_name.clone(),
+        limits,
+        cfg.seed,
+        registry,
+        failed.clone(),
+    ));
+    Ok(Engine { router: server::router(state.clone()), state, thread, config: cfg.clone(), failed })
 }
 
-/// Serve `engine` on `listener` until `shutdown` resolves (in-flight responses finish).
+/// Serve `engine` on `listener` until `shutdown` resolves or the engine fails (in-flight
+/// responses finish either way). A failed engine is an error, so the process exits non-zero.
 pub async fn serve(
     engine: Engine,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let mut failed = engine.failed.clone();
+    let stop = async move {
+        tokio::select! {
+            _ = shutdown => {}
+            _ = failed.wait_for(Option::is_some) => {}
+        }
+    };
+    let failed = engine.failed.clone();
     let listener = listener.tap_io(|tcp| {
         // SSE chunks are small: never let Nagle hold them back.
         let _ = tcp.set_nodelay(true);
     });
-    axum::serve(listener, engine.router).with_graceful_shutdown(shutdown).await
+    axum::serve(listener, engine.router).with_graceful_shutdown(stop).await?;
+    let reason = failed.borrow().clone();
+    reason.map_or(Ok(()), |r| Err(std::io::Error::other(r)))
 }

@@ -16,6 +16,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::watch;
+
+use crate::backend::BackendFailure;
 
 use crate::core::EngineCore;
 use crate::metrics::EngineMetrics;
@@ -88,31 +91,42 @@ struct Sink {
 }
 
 /// Start the engine thread. It stops when every [`EngineHandle`] is dropped and no
-/// request is left.
-pub fn spawn(core: EngineCore, metrics: EngineMetrics) -> (EngineHandle, thread::JoinHandle<()>) {
+/// request is left, or when the backend fails: then the returned watch holds the reason,
+/// every open request ends with an error and the server should report unhealthy and exit.
+pub fn spawn(
+    core: EngineCore,
+    metrics: EngineMetrics,
+) -> (EngineHandle, thread::JoinHandle<()>, watch::Receiver<Option<String>>) {
     let (tx, rx) = mpsc::channel();
+    let (failed_tx, failed) = watch::channel(None);
     let join = thread::Builder::new()
         .name("engine-core".into())
-        .spawn(move || run(core, metrics, rx))
+        .spawn(move || {
+            if let Err(e) = run(core, metrics, rx) {
+                tracing::error!(error = %e, "the engine cannot continue");
+                failed_tx.send_replace(Some(e.to_string()));
+            }
+        })
         .expect("spawn engine thread");
-    (EngineHandle { tx }, join)
+    (EngineHandle { tx }, join, failed)
 }
 
-fn run(mut core: EngineCore, mut metrics: EngineMetrics, rx: mpsc::Receiver<Command>) {
+fn run(mut core: EngineCore, mut metrics: EngineMetrics, rx: mpsc::Receiver<Command>) -> Result<(), BackendFailure> {
     let mut sinks: HashMap<RequestId, Sink> = HashMap::new();
     loop {
         if core.scheduler.is_idle() {
             publish(&core, &mut metrics);
             match rx.recv() {
                 Ok(cmd) => handle(cmd, &mut core, &mut sinks, &metrics),
-                Err(_) => return,
+                Err(_) => return Ok(()),
             }
         }
         while let Ok(cmd) = rx.try_recv() {
             handle(cmd, &mut core, &mut sinks, &metrics);
         }
         let started = Instant::now();
-        let Some(step) = core.step() else {
+        // A failed backend drops every sink on the way out: streams end with an error.
+        let Some(step) = core.step()? else {
             // Requests exist but none can be scheduled: wait for a command rather than spin.
             if let Ok(cmd) = rx.recv_timeout(Duration::from_millis(1)) {
                 handle(cmd, &mut core, &mut sinks, &metrics);

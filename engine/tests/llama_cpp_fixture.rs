@@ -11,10 +11,11 @@
 //! instead of f32 differs by up to 1.1 in these logits and changes a greedy token at a gap of
 //! 0.005. Both pipelines quantize every activation to 8 bits before each matmul, which
 //! magnifies rounding differences. The typical difference is the guard (median |Δlogit| over
-//! all steps < 0.35), with a looser bound on the worst step (< 1.25): two equally valid
-//! summation orders of our own attention (one row at a time; tiles of rows with a polynomial
-//! `exp`) both give a median of 0.27 and a 90th percentile of 0.50, but worst steps of 0.86
-//! and 1.05 — the maximum is an outlier statistic. Both are printed below.
+//! all steps < 0.35), with a looser bound on the worst step (< 1.5): three equally valid
+//! summation orders of our own (attention one row at a time; tiles of rows with a polynomial
+//! `exp`; then O and down summed in three column segments, which makes tensor parallelism
+//! exact) give medians of 0.27, 0.27 and 0.25, but worst steps of 0.86, 1.05 and 1.22 — the
+//! maximum is an outlier statistic. Both are printed below.
 
 use serde_json::Value;
 use switchyard_engine::backend::cpu::load;
@@ -105,7 +106,7 @@ fn greedy_tokens_and_logits_match_llama_cpp() {
          {median:.4}, worst {worst_abs:.4}"
     );
     assert!(median < 0.35, "logits drift from llama.cpp's by {median} (median over steps)");
-    assert!(worst_abs < 1.25, "logits drift from llama.cpp's by {worst_abs} at the worst step");
+    assert!(worst_abs < 1.5, "logits drift from llama.cpp's by {worst_abs} at the worst step");
     assert!(ties * 10 <= matched, "{ties} near-tie differences for {matched} equal tokens");
 }
 

@@ -15,7 +15,8 @@ use std::path::Path;
 
 use rand::{Rng, SeedableRng};
 
-use super::{Backend, StepOutput};
+use super::tp_group::{GroupError, TpGroup};
+use super::{Backend, BackendFailure, StepOutput};
 use crate::model::gguf::GgufFile;
 use crate::model::llama::{KvStore, Llama, ModelError, SeqInput};
 use crate::model::tokenizer::{ModelTokenizer, TokenizerError};
@@ -52,6 +53,9 @@ pub enum LoadError {
     /// The thread pool.
     #[error("thread pool: {0}")]
     Threads(String),
+    /// Tensor parallelism.
+    #[error(transparent)]
+    Tp(#[from] GroupError),
 }
 
 /// A model file loaded: weights and tokenizer.
@@ -79,34 +83,47 @@ pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
 
 /// The cpu executor.
 pub struct CpuBackend {
-    model: Llama,
-    kv: KvStore,
-    pool: rayon::ThreadPool,
+    exec: Executor,
     eos: TokenId,
+}
+
+/// Where the logits are computed.
+enum Executor {
+    /// The whole model on one rayon pool.
+    Single { model: Box<Llama>, kv: KvStore, pool: rayon::ThreadPool },
+    /// A tensor-parallel group of rank threads.
+    Group(TpGroup),
 }
 
 impl CpuBackend {
     /// A backend over `model` with K/V room for `num_blocks` blocks of `block_size` tokens,
-    /// computing on `threads` threads.
+    /// computing on `threads` threads, with `tp` tensor-parallel ranks (1: none).
+    /// `fail_rank`: a rank that panics at its first step (reliability tests).
     pub fn new(
         model: Llama,
         eos: TokenId,
         num_blocks: usize,
         block_size: usize,
         threads: usize,
+        tp: usize,
+        fail_rank: Option<usize>,
     ) -> Result<Self, LoadError> {
+        if tp > 1 {
+            let group = TpGroup::spawn(&model, tp, threads, num_blocks, block_size, fail_rank)?;
+            return Ok(Self { exec: Executor::Group(group), eos });
+        }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("cpu-backend-{i}"))
             .build()
             .map_err(|e| LoadError::Threads(e.to_string()))?;
         let kv = KvStore::new(&model.cfg, num_blocks, block_size);
-        Ok(Self { model, kv, pool, eos })
+        Ok(Self { exec: Executor::Single { model: Box::new(model), kv, pool }, eos })
     }
 }
 
 impl Backend for CpuBackend {
-    fn execute(&mut self, batch: &[SeqView<'_>]) -> StepOutput {
+    fn execute(&mut self, batch: &[SeqView<'_>]) -> Result<StepOutput, BackendFailure> {
         let inputs: Vec<SeqInput<'_>> = batch
             .iter()
             .map(|s| SeqInput {
@@ -116,8 +133,11 @@ impl Backend for CpuBackend {
                 logits: s.sched.sample,
             })
             .collect();
-        let (model, kv) = (&self.model, &mut self.kv);
-        let result = self.pool.install(|| model.forward(kv, &inputs));
+        let result = match &mut self.exec {
+            Executor::Single { model, kv, pool } => pool.install(|| model.forward(kv, &inputs)),
+            // A failed rank takes the group down: fatal for the engine.
+            Executor::Group(group) => Ok(group.forward(&inputs).map_err(|e| BackendFailure(e.to_string()))?),
+        };
         let sampling = batch.iter().filter(|s| s.sched.sample);
         let sampled = match result {
             Ok(logits) => sampling
@@ -142,7 +162,7 @@ impl Backend for CpuBackend {
                 sampling.map(|s| Sampled { id: s.sched.id, token: self.eos, logprobs: None }).collect()
             }
         };
-        StepOutput { sampled, model_time: None }
+        Ok(StepOutput { sampled, model_time: None })
     }
 }
 

@@ -9,6 +9,7 @@
 
 pub mod cpu;
 pub mod sim;
+pub mod tp_group;
 
 use std::time::Duration;
 
@@ -23,8 +24,14 @@ pub struct StepOutput {
     pub model_time: Option<Duration>,
 }
 
+/// The backend can no longer compute (a tensor-parallel rank died): the engine must stop.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("backend failed: {0}")]
+pub struct BackendFailure(pub String);
+
 /// A model executor.
 pub trait Backend: Send {
-    /// Compute one step over `batch`.
-    fn execute(&mut self, batch: &[SeqView<'_>]) -> StepOutput;
+    /// Compute one step over `batch`. An error is fatal for the engine; a problem limited
+    /// to some requests ends those requests instead.
+    fn execute(&mut self, batch: &[SeqView<'_>]) -> Result<StepOutput, BackendFailure>;
 }

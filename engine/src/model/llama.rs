@@ -24,7 +24,7 @@ use rayon::prelude::*;
 use super::gguf::{GgmlType, GgufError, GgufFile};
 use super::quant::{dequantize_row, QuantError};
 use super::simd::{attend_rows, dot_row, dot_rows_tokens, AttnShape, Kernel, KvRows, QuantizedActs};
-use super::tp::{CommError, Communicator, TpDims, TpPlan};
+use super::tp::{sum_parts, CommError, Communicator, TpDims, TpPlan};
 use crate::kv::BlockId;
 use crate::tokenizer::TokenId;
 
@@ -279,7 +279,22 @@ pub struct Llama {
     pub norm: Vec<f32>,
     /// LM head (`vocab × dim`); the embedding when tied.
     pub lm_head: Matrix,
+    /// Per block: O and down cut into column segments (see [`RowParallel`]).
+    pub row_parallel: Vec<RowParallel>,
     inv_freq: Vec<f32>,
+}
+
+/// A block's row-parallel matrices (O, down) as column segments, each a copy of its
+/// columns. Their partial outputs are summed in segment order, on one rank or across a
+/// tensor-parallel group ([`super::tp`]), so any TP size that splits at segment boundaries
+/// gives the bits of TP 1. The segment count is the least common multiple of the TP sizes
+/// that fit the model ([`TpPlan::valid_sizes`]): 3 for SmolLM2-135M.
+#[derive(Debug, Clone)]
+pub struct RowParallel {
+    /// O's segments (each `dim × (attention width / S)`).
+    pub wo: Vec<Matrix>,
+    /// Down's segments (each `dim × (MLP width / S)`).
+    pub down: Vec<Matrix>,
 }
 
 /// K/V storage of every block of the pool, per layer: `[block][slot][kv_head][head_dim]`.
@@ -422,7 +437,31 @@ impl Llama {
     ) -> Self {
         let hd = cfg.head_dim();
         let inv_freq = (0..hd / 2).map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / hd as f32)).collect();
-        Self { cfg, embed, layers, norm, lm_head, inv_freq }
+        let whole =
+            layers.iter().map(|l| RowParallel { wo: vec![l.wo.clone()], down: vec![l.w_down.clone()] }).collect();
+        let mut m = Self { cfg, embed, layers, norm, lm_head, row_parallel: whole, inv_freq };
+        let sizes = TpPlan::valid_sizes(m.tp_dims());
+        let segments = sizes.iter().fold(1, |a, &b| a / gcd(a, b) * b);
+        // Segments that do not fall on quantization blocks (possible only for exotic
+        // shapes): keep the matrices whole; then only TP 1 runs (`shard` says why).
+        if let Ok(rp) = m.layers.iter().map(|l| Self::segment(l, segments)).collect::<Result<Vec<_>, _>>() {
+            m.row_parallel = rp;
+        }
+        m
+    }
+
+    fn segment(l: &LayerWeights, k: usize) -> Result<RowParallel, QuantError> {
+        let cut = |w: &Matrix| -> Result<Vec<Matrix>, QuantError> {
+            if k == 1 {
+                return Ok(vec![w.clone()]);
+            }
+            let width = w.cols / k;
+            if width * k != w.cols {
+                return Err(QuantError::Shape { ty: w.ty, row: w.cols, bytes: 0, n: k });
+            }
+            (0..k).map(|j| w.col_range(j * width..(j + 1) * width)).collect()
+        };
+        Ok(RowParallel { wo: cut(&l.wo)?, down: cut(&l.w_down)? })
     }
 
     /// The dimensions a tensor-parallel split must respect.
@@ -456,16 +495,31 @@ impl Llama {
                     wq: l.wq.row_range(q.clone()),
                     wk: l.wk.row_range(kv.clone()),
                     wv: l.wv.row_range(kv.clone()),
-                    wo: l.wo.col_range(q.clone())?,
+                    wo: l.wo.clone(),
                     ffn_norm: l.ffn_norm.clone(),
                     w_gate: l.w_gate.row_range(f.clone()),
                     w_up: l.w_up.row_range(f.clone()),
-                    w_down: l.w_down.col_range(f.clone())?,
+                    w_down: l.w_down.clone(),
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
+        // This rank's columns of O and down are its share of the segments.
+        let segments = self.row_parallel.first().map_or(1, |rp| rp.wo.len());
+        if !segments.is_multiple_of(plan.size) {
+            return Err(cfg_err(
+                "tensor_parallel_size",
+                format!("{} ranks do not split the {segments} row-parallel segments of this model", plan.size),
+            ));
+        }
+        let per = segments / plan.size;
+        let mine = plan.rank * per..(plan.rank + 1) * per;
+        let row_parallel = self
+            .row_parallel
+            .iter()
+            .map(|rp| RowParallel { wo: rp.wo[mine.clone()].to_vec(), down: rp.down[mine.clone()].to_vec() })
+            .collect();
         let lm_head = self.lm_head.row_range(plan.vocab.clone());
-        Ok(Llama { layers, lm_head, ..self.clone() })
+        Ok(Llama { layers, lm_head, row_parallel, ..self.clone() })
     }
 
     /// K/V storage for this model (or rank: its K/V heads only).
@@ -534,9 +588,9 @@ impl Llama {
                 _ => tiles.push((r, 1)),
             }
         }
-        for (li, l) in self.layers.iter().enumerate() {
+        for (li, (l, rp)) in self.layers.iter().zip(&self.row_parallel).enumerate() {
             rmsnorm(&x, &l.attn_norm, c.eps, &mut n);
-            matmul(&[&l.wq, &l.wk, &l.wv], &n, &mut [&mut q, &mut k, &mut v], &mut scratch)?;
+            matmul(&[&l.wq, &l.wk, &l.wv], &[&n], &mut [&mut q, &mut k, &mut v], &mut scratch)?;
             for (r, &(_, pos)) in rows.iter().enumerate() {
                 self.rope(&mut q[r * qd..(r + 1) * qd], pos);
                 self.rope(&mut k[r * kvd..(r + 1) * kvd], pos);
@@ -578,19 +632,13 @@ impl Llama {
                     }
                 }
             });
-            matmul(&[&l.wo], &att, &mut [&mut o], &mut scratch)?;
-            if let Some((comm, rank)) = comm {
-                comm.all_reduce_sum(rank, &mut o)?;
-            }
+            row_parallel(&rp.wo, &att, t, &mut o, &mut scratch, comm)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
 
             rmsnorm(&x, &l.ffn_norm, c.eps, &mut n);
-            matmul(&[&l.w_gate, &l.w_up], &n, &mut [&mut g, &mut u], &mut scratch)?;
+            matmul(&[&l.w_gate, &l.w_up], &[&n], &mut [&mut g, &mut u], &mut scratch)?;
             g.iter_mut().zip(&u).for_each(|(a, b)| *a = *a / (1.0 + (-*a).exp()) * b);
-            matmul(&[&l.w_down], &g, &mut [&mut o], &mut scratch)?;
-            if let Some((comm, rank)) = comm {
-                comm.all_reduce_sum(rank, &mut o)?;
-            }
+            row_parallel(&rp.down, &g, t, &mut o, &mut scratch, comm)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         }
         // Logits only for the last token of the sequences that sample.
@@ -606,7 +654,7 @@ impl Llama {
         let mut normed = vec![0f32; last.len()];
         rmsnorm(&last, &self.norm, c.eps, &mut normed);
         let mut logits = vec![0f32; m * vocab];
-        matmul(&[&self.lm_head], &normed, &mut [&mut logits], &mut scratch)?;
+        matmul(&[&self.lm_head], &[&normed], &mut [&mut logits], &mut scratch)?;
         let Some((comm, rank)) = comm else {
             return Ok(logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect());
         };
@@ -648,6 +696,14 @@ fn tensor_err(name: &str, reason: impl Into<String>) -> ModelError {
     ModelError::Tensor { name: name.to_string(), reason: reason.into() }
 }
 
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 /// `out[t] = x[t] / rms(x[t]) · w` for every row `t`.
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
@@ -658,34 +714,43 @@ pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// Reusable buffers of [`matmul`].
+/// Reusable buffers of [`matmul`] and [`row_parallel`].
 struct Scratch {
     kernel: Kernel,
-    acts: QuantizedActs,
+    acts: Vec<QuantizedActs>,
     yt: Vec<f32>,
+    partials: Vec<f32>,
 }
 
 impl Default for Scratch {
     fn default() -> Self {
-        Self { kernel: Kernel::detect(), acts: QuantizedActs::default(), yt: Vec::new() }
+        Self { kernel: Kernel::detect(), acts: Vec::new(), yt: Vec::new(), partials: Vec::new() }
     }
 }
 
-/// `ys[i][t] = ws[i] · x[t]` for every row `t` of `x` (`x`: `T × cols`, `ys[i]`: `T ×
-/// ws[i].rows`). Matrices that read the same input (Q, K and V; gate and up) go in one call:
-/// the activations are quantized once and one parallel pass covers all their rows, split
-/// over the rayon pool in strips of output rows (each strip within one matrix).
-fn matmul(ws: &[&Matrix], x: &[f32], ys: &mut [&mut [f32]], scratch: &mut Scratch) -> Result<(), ModelError> {
-    let cols = ws[0].cols;
-    debug_assert!(ws.iter().all(|w| w.cols == cols));
-    let t = x.len() / cols;
+/// `ys[i][t] = ws[i] · x[t]` for every row `t` of the input (`T × cols`; `ys[i]`: `T ×
+/// ws[i].rows`). `xs` holds one input that every matrix reads, or one input per matrix.
+/// Matrices that read the same input (Q, K and V; gate and up) go in one call: the
+/// activations are quantized once and one parallel pass covers all their rows, split over
+/// the rayon pool in strips of output rows (each strip within one matrix).
+fn matmul(ws: &[&Matrix], xs: &[&[f32]], ys: &mut [&mut [f32]], scratch: &mut Scratch) -> Result<(), ModelError> {
+    debug_assert!(xs.len() == 1 || xs.len() == ws.len());
+    let input = |i: usize| if xs.len() == 1 { 0 } else { i };
+    let t = xs[0].len() / ws[0].cols;
     if t == 0 {
         return Ok(());
     }
     let kernel = scratch.kernel;
     // Quantize every activation row once (quantized weights meet Q8 activations).
-    if ws.iter().any(|w| w.ty.block_len() == super::quant::QK) {
-        scratch.acts.quantize(kernel, x, cols);
+    if scratch.acts.len() < xs.len() {
+        scratch.acts.resize_with(xs.len(), QuantizedActs::default);
+    }
+    for (j, x) in xs.iter().enumerate() {
+        let mut readers = ws.iter().enumerate().filter(|(i, _)| input(*i) == j).map(|(_, w)| w);
+        if let Some(w) = readers.clone().find(|w| w.ty.block_len() == super::quant::QK) {
+            debug_assert!(readers.all(|r| r.cols == w.cols) && x.len() == t * w.cols);
+            scratch.acts[j].quantize(kernel, x, w.cols);
+        }
     }
     let acts = &scratch.acts;
     // Strips of output rows: small enough for every thread to get several, large enough
@@ -697,23 +762,24 @@ fn matmul(ws: &[&Matrix], x: &[f32], ys: &mut [&mut [f32]], scratch: &mut Scratc
     scratch.yt.resize(total * t, 0.0);
     let mut tasks = Vec::with_capacity(total / strip + ws.len());
     let mut rest: &mut [f32] = &mut scratch.yt[..total * t];
-    for w in ws {
+    for (i, w) in ws.iter().enumerate() {
         for r0 in (0..w.rows).step_by(strip) {
             let n = strip.min(w.rows - r0);
             let (out, tail) = rest.split_at_mut(n * t);
             rest = tail;
-            tasks.push((*w, r0, n, out));
+            tasks.push((*w, input(i), r0, n, out));
         }
     }
-    tasks.into_par_iter().try_for_each(|(w, r0, n, out)| {
+    tasks.into_par_iter().try_for_each(|(w, j, r0, n, out)| {
         if w.ty.block_len() == super::quant::QK {
             let rows = w.rows_bytes(r0, n);
-            return dot_rows_tokens(kernel, w.ty, rows, n, acts, out);
+            return dot_rows_tokens(kernel, w.ty, rows, n, &acts[j], out);
         }
+        let cols = w.cols;
         for (i, yr) in out.chunks_exact_mut(t).enumerate() {
             let wr = w.row(r0 + i);
             for (tt, y) in yr.iter_mut().enumerate() {
-                *y = dot_row(kernel, w.ty, wr, &x[tt * cols..(tt + 1) * cols], &[])?;
+                *y = dot_row(kernel, w.ty, wr, &xs[j][tt * cols..(tt + 1) * cols], &[])?;
             }
         }
         Ok::<_, QuantError>(())
@@ -729,6 +795,44 @@ fn matmul(ws: &[&Matrix], x: &[f32], ys: &mut [&mut [f32]], scratch: &mut Scratc
         base += w.rows;
     }
     Ok(())
+}
+
+/// A row-parallel layer (O, down) over `t` input rows: column segment `j` of `x` meets
+/// `parts[j]`, and the partial outputs are summed in segment order into `out` — across the
+/// group when there is one ([`Communicator::all_reduce_sum`]), locally otherwise. Either way
+/// the same additions in the same order, so every tensor-parallel size gives the same bits.
+fn row_parallel(
+    parts: &[Matrix],
+    x: &[f32],
+    t: usize,
+    out: &mut [f32],
+    scratch: &mut Scratch,
+    comm: Option<(&dyn Communicator, usize)>,
+) -> Result<(), ModelError> {
+    let (k, cols, rows) = (parts.len(), parts[0].cols, parts[0].rows);
+    let width = k * cols;
+    let xs: Vec<Vec<f32>> = if k == 1 {
+        Vec::new()
+    } else {
+        (0..k)
+            .map(|j| (0..t).flat_map(|r| &x[r * width + j * cols..r * width + (j + 1) * cols]).copied().collect())
+            .collect()
+    };
+    let inputs: Vec<&[f32]> = if k == 1 { vec![x] } else { xs.iter().map(Vec::as_slice).collect() };
+    let mut partials = std::mem::take(&mut scratch.partials);
+    partials.resize(k * t * rows, 0.0);
+    let mut ys: Vec<&mut [f32]> = partials.chunks_exact_mut(t * rows).collect();
+    let ws: Vec<&Matrix> = parts.iter().collect();
+    matmul(&ws, &inputs, &mut ys, scratch)?;
+    let result = match comm {
+        Some((comm, rank)) => comm.all_reduce_sum(rank, &partials, out).map_err(ModelError::from),
+        None => {
+            sum_parts(&partials, out);
+            Ok(())
+        }
+    };
+    scratch.partials = partials;
+    result
 }
 
 #[cfg(test)]

@@ -45,13 +45,28 @@ pub enum CommError {
 pub trait Communicator: Send + Sync {
     /// Ranks in the group.
     fn world_size(&self) -> usize;
-    /// Replace `buf` on every rank by the sum of all ranks' `buf` (same bits everywhere).
-    fn all_reduce_sum(&self, rank: usize, buf: &mut [f32]) -> Result<(), CommError>;
+    /// Sum partial results over the group: `parts` is this rank's consecutive partials (each
+    /// `out.len()` long); `out` becomes every rank's partials summed in rank order, then part
+    /// order ([`sum_parts`] over the concatenation) — the same bits on every rank, and the
+    /// bits one rank holding every part would get.
+    fn all_reduce_sum(&self, rank: usize, parts: &[f32], out: &mut [f32]) -> Result<(), CommError>;
     /// Every rank's `part`, in rank order (parts may differ in length), on rank 0; other
     /// ranks get an empty list.
     fn gather_to_first(&self, rank: usize, part: &[f32]) -> Result<Vec<Vec<f32>>, CommError>;
     /// Mark the group failed: every current and future collective returns an error.
     fn poison(&self);
+}
+
+/// `out` = the sum of the consecutive partials in `parts` (each `out.len()` long), added
+/// one after another in order: `((p0 + p1) + p2) + …`.
+pub fn sum_parts(parts: &[f32], out: &mut [f32]) {
+    for (j, part) in parts.chunks_exact(out.len().max(1)).enumerate() {
+        if j == 0 {
+            out.copy_from_slice(part);
+        } else {
+            out.iter_mut().zip(part).for_each(|(a, b)| *a += b);
+        }
+    }
 }
 
 /// A reusable barrier that spins briefly, then yields, and gives up when poisoned.
@@ -140,20 +155,23 @@ impl Communicator for ShmCommunicator {
         self.slots.len()
     }
 
-    fn all_reduce_sum(&self, rank: usize, buf: &mut [f32]) -> Result<(), CommError> {
+    fn all_reduce_sum(&self, rank: usize, parts: &[f32], out: &mut [f32]) -> Result<(), CommError> {
         if self.slots.len() == 1 {
+            sum_parts(parts, out);
             return Ok(());
         }
         self.timed(rank, || {
-            self.put(rank, buf);
+            self.put(rank, parts);
             self.barrier.wait()?;
-            // Rank order on every rank: ((p0 + p1) + p2) + …, the same bits everywhere.
+            // Rank order, then part order, on every rank: the same bits everywhere.
             for (r, slot) in self.slots.iter().enumerate() {
-                let part = slot.lock().unwrap_or_else(|e| e.into_inner());
-                if r == 0 {
-                    buf.copy_from_slice(&part);
-                } else {
-                    buf.iter_mut().zip(part.iter()).for_each(|(a, b)| *a += b);
+                let theirs = slot.lock().unwrap_or_else(|e| e.into_inner());
+                for (j, part) in theirs.chunks_exact(out.len().max(1)).enumerate() {
+                    if r == 0 && j == 0 {
+                        out.copy_from_slice(part);
+                    } else {
+                        out.iter_mut().zip(part).for_each(|(a, b)| *a += b);
+                    }
                 }
             }
             self.barrier.wait()
@@ -231,8 +249,7 @@ impl TpPlan {
     /// The plan of `rank` in a group of `size`, or why `size` does not fit.
     pub fn new(d: TpDims, size: usize, rank: usize) -> Result<Self, TpShapeError> {
         if let Some(reason) = Self::misfit(d, size) {
-            let valid: Vec<String> =
-                (1..=d.n_heads).filter(|&n| Self::misfit(d, n).is_none()).map(|n| n.to_string()).collect();
+            let valid: Vec<String> = Self::valid_sizes(d).iter().map(|n| n.to_string()).collect();
             return Err(TpShapeError { size, reason, valid: valid.join(", ") });
         }
         let hl = d.n_heads / size;
@@ -256,6 +273,11 @@ impl TpPlan {
             ffn: rank * fl..(rank + 1) * fl,
             vocab: v0..v1,
         })
+    }
+
+    /// Every group size that fits the model, smallest first.
+    pub fn valid_sizes(d: TpDims) -> Vec<usize> {
+        (1..=d.n_heads.max(1)).filter(|&n| Self::misfit(d, n).is_none()).collect()
     }
 
     fn misfit(d: TpDims, n: usize) -> Option<String> {
@@ -325,8 +347,10 @@ mod tests {
                     s.spawn(move || {
                         let mut v = vec![r as f32 + 0.5; 4];
                         for _ in 0..100 {
-                            comm.all_reduce_sum(r, &mut v).unwrap();
-                            v.iter_mut().for_each(|x| *x /= 3.0);
+                            // Two partials per rank: v and v / 2.
+                            let parts: Vec<f32> = v.iter().copied().chain(v.iter().map(|x| x / 2.0)).collect();
+                            comm.all_reduce_sum(r, &parts, &mut v).unwrap();
+                            v.iter_mut().for_each(|x| *x /= 4.5);
                         }
                         let parts = comm.gather_to_first(r, &v[..r + 1]).unwrap();
                         assert_eq!(parts.len(), if r == 0 { 3 } else { 0 });
@@ -340,11 +364,11 @@ mod tests {
         assert!((results[0][0] - 1.5).abs() < 1e-5);
 
         comm.poison();
-        assert_eq!(comm.all_reduce_sum(0, &mut [1.0]), Err(CommError::PeerFailed));
+        assert_eq!(comm.all_reduce_sum(0, &[1.0], &mut [0.0]), Err(CommError::PeerFailed));
         // A rank already waiting is released by the poison too.
         let comm = ShmCommunicator::new(2);
         std::thread::scope(|s| {
-            let waiting = s.spawn(|| comm.all_reduce_sum(0, &mut [1.0]));
+            let waiting = s.spawn(|| comm.all_reduce_sum(0, &[1.0], &mut [0.0]));
             std::thread::sleep(std::time::Duration::from_millis(20));
             comm.poison();
             assert_eq!(waiting.join().unwrap(), Err(CommError::PeerFailed));

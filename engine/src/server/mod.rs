@@ -52,6 +52,8 @@ pub struct AppState {
     pub seed: u64,
     /// Metrics registry served on `/metrics`.
     pub registry: Registry,
+    /// Why the engine failed, once it has (`/health` then answers 503).
+    pub failed: tokio::sync::watch::Receiver<Option<String>>,
     next_id: AtomicU64,
     started: u64,
 }
@@ -65,8 +67,19 @@ impl AppState {
         limits: Limits,
         seed: u64,
         registry: Registry,
+        failed: tokio::sync::watch::Receiver<Option<String>>,
     ) -> Self {
-        AppState { engine, tokenizer, model, limits, seed, registry, next_id: AtomicU64::new(1), started: unix_now() }
+        AppState {
+            engine,
+            tokenizer,
+            model,
+            limits,
+            seed,
+            registry,
+            failed,
+            next_id: AtomicU64::new(1),
+            started: unix_now(),
+        }
     }
 }
 
@@ -77,7 +90,7 @@ fn unix_now() -> u64 {
 /// The application's routes.
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
-        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/health", get(health))
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -88,6 +101,13 @@ pub fn router(state: Arc<AppState>) -> Router {
         })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    match st.failed.borrow().clone() {
+        None => StatusCode::OK.into_response(),
+        Some(reason) => (StatusCode::SERVICE_UNAVAILABLE, reason).into_response(),
+    }
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Json<serde_json::Value> {

@@ -191,7 +191,7 @@ pub fn run_virtual(p: &SimProfile, requests: usize, input_len: usize, output_len
     }
     let mut timings: HashMap<u64, VirtualTimings> = HashMap::new();
     let mut now = 0.0;
-    while let Some(step) = core.step() {
+    while let Some(step) = core.step().expect("the sim backend never fails") {
         now += step.model_time.unwrap_or_default().as_secs_f64();
         for ev in step.events {
             let id = match ev {

@@ -14,7 +14,7 @@ pub mod calibration;
 pub mod profiles;
 pub mod roofline;
 
-use super::{Backend, StepOutput};
+use super::{Backend, BackendFailure, StepOutput};
 use crate::scheduler::{Sampled, SeqView};
 use crate::tokenizer::{SimTokenizer, TokenId};
 pub use profiles::{profile, SimProfile, PROFILE_NAMES};
@@ -48,7 +48,7 @@ impl SimBackend {
 }
 
 impl Backend for SimBackend {
-    fn execute(&mut self, batch: &[SeqView<'_>]) -> StepOutput {
+    fn execute(&mut self, batch: &[SeqView<'_>]) -> Result<StepOutput, BackendFailure> {
         let shape = StepShape::of(batch);
         let sampled = batch
             .iter()
@@ -60,7 +60,7 @@ impl Backend for SimBackend {
                 logprobs: None,
             })
             .collect();
-        StepOutput { sampled, model_time: Some(step_time(&self.profile, &shape)) }
+        Ok(StepOutput { sampled, model_time: Some(step_time(&self.profile, &shape)) })
     }
 }
 

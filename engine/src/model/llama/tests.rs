@@ -16,12 +16,17 @@ fn f32_matrix(rows: usize, cols: usize, seed: &mut u64) -> Matrix {
 }
 
 fn model(rope: RopeStyle) -> Llama {
+    shaped(rope, 4, 2, 32)
+}
+
+/// A random model with `heads` query heads and `kv_heads` K/V heads over `dim`.
+fn shaped(rope: RopeStyle, heads: usize, kv_heads: usize, dim: usize) -> Llama {
     let cfg = LlamaConfig {
         n_layers: 2,
-        dim: 32,
+        dim,
         ffn_dim: 64,
-        n_heads: 4,
-        n_kv_heads: 2,
+        n_heads: heads,
+        n_kv_heads: kv_heads,
         vocab: V,
         max_ctx: 128,
         rope_theta: 10000.0,
@@ -205,4 +210,76 @@ fn bad_inputs_are_errors() {
     assert!(m.forward(&mut kv, &[SeqInput { tokens: &toks, start: 0, block_table: &short, logits: true }]).is_err());
     let bad = [V as TokenId];
     assert!(m.forward(&mut kv, &[SeqInput { tokens: &bad, start: 0, block_table: &short, logits: true }]).is_err());
+}
+
+/// Runs the same steps through one model and through a tensor-parallel group: batched
+/// prefill chunks, a prefix-cache hit (b reuses a's first block), decodes.
+fn tp_steps(forward: &mut dyn FnMut(&[SeqInput<'_>]) -> Vec<Vec<f32>>) -> Vec<Vec<f32>> {
+    let a = tokens(12, 4);
+    let mut b = a[..4].to_vec();
+    b.extend(tokens(10, 5));
+    let c = tokens(9, 6);
+    let (ta, tb, tc) = ([9, 2, 5, 13], [9, 12, 4, 1], [7, 0, 11]);
+    let mut out = Vec::new();
+    out.extend(forward(&[
+        SeqInput { tokens: &a[..7], start: 0, block_table: &ta, logits: false },
+        SeqInput { tokens: &c[..5], start: 0, block_table: &tc, logits: true },
+    ]));
+    out.extend(forward(&[
+        SeqInput { tokens: &a[7..9], start: 7, block_table: &ta, logits: true },
+        SeqInput { tokens: &b[4..10], start: 4, block_table: &tb, logits: true },
+        SeqInput { tokens: &c[5..6], start: 5, block_table: &tc, logits: true },
+    ]));
+    for i in 0..3 {
+        out.extend(forward(&[
+            SeqInput { tokens: &a[9 + i..10 + i], start: 9 + i, block_table: &ta, logits: true },
+            SeqInput { tokens: &b[10 + i..11 + i], start: 10 + i, block_table: &tb, logits: true },
+            SeqInput { tokens: &c[6 + i..7 + i], start: 6 + i, block_table: &tc, logits: true },
+        ]));
+    }
+    out
+}
+
+#[test]
+fn tensor_parallel_ranks_give_the_logits_and_greedy_tokens_of_one() {
+    use crate::backend::tp_group::TpGroup;
+    // 8 heads, 4 K/V heads: N = 2 and 4 split both; N = 8 replicates each K/V head twice.
+    for rope in [RopeStyle::Interleaved, RopeStyle::NeoX] {
+        let m = shaped(rope, 8, 4, 64);
+        let mut kv = m.kv_store(16, 4);
+        let want = tp_steps(&mut |seqs| m.forward(&mut kv, seqs).unwrap());
+        assert_eq!(want.len(), 1 + 3 + 3 * 3);
+        for n in [2, 4, 8] {
+            let mut group = TpGroup::spawn(&m, n, 2, 16, 4, None).unwrap();
+            let got = tp_steps(&mut |seqs| group.forward(seqs).unwrap());
+            assert_eq!(got.len(), want.len());
+            // Bit-identical: the row-parallel segments are summed in the same order at any N
+            // (the bar is 1e-4 relative).
+            let bits = |v: &[Vec<f32>]| {
+                v.iter().map(|r| r.iter().map(|x| x.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>()
+            };
+            assert_eq!(bits(&got), bits(&want), "N = {n}, {rope:?}");
+            for w in &want {
+                assert!(w.iter().any(|x| *x != 0.0));
+            }
+        }
+    }
+}
+
+#[test]
+fn a_failed_rank_fails_the_group_without_hanging() {
+    use crate::backend::tp_group::{GroupError, TpGroup};
+    let m = shaped(RopeStyle::Interleaved, 8, 4, 64);
+    let mut group = TpGroup::spawn(&m, 4, 2, 16, 4, Some(2)).unwrap();
+    let toks = tokens(5, 1);
+    let seqs = [SeqInput { tokens: &toks, start: 0, block_table: &[0, 1], logits: true }];
+    for _ in 0..2 {
+        match group.forward(&seqs) {
+            Err(GroupError::RankFailed { rank: 2, reason }) => assert!(reason.contains("on purpose"), "{reason}"),
+            other => panic!("expected rank 2 to fail, got {other:?}"),
+        }
+    }
+    // Sizes that do not fit are refused up front, naming the numbers.
+    let e = TpGroup::spawn(&m, 3, 2, 16, 4, None).unwrap_err().to_string();
+    assert!(e.contains("8 attention heads do not divide by 3") && e.contains("1, 2, 4, 8"), "{e}");
 }
