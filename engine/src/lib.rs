@@ -85,6 +85,7 @@ pub async fn serve(
     let stop = async move {
         tokio::select! {
             _ = shutdown => {}
+            // A closed channel means the engine thread is gone without a word: a failure too.
             _ = failed.wait_for(Option::is_some) => {}
         }
     };
@@ -95,5 +96,9 @@ pub async fn serve(
     });
     axum::serve(listener, engine.router).with_graceful_shutdown(stop).await?;
     let reason = failed.borrow().clone();
-    reason.map_or(Ok(()), |r| Err(std::io::Error::other(r)))
+    match reason {
+        Some(r) => Err(std::io::Error::other(r)),
+        None if failed.has_changed().is_err() => Err(std::io::Error::other("the engine thread stopped")),
+        None => Ok(()),
+    }
 }

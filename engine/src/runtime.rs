@@ -102,10 +102,16 @@ pub fn spawn(
     let join = thread::Builder::new()
         .name("engine-core".into())
         .spawn(move || {
-            if let Err(e) = run(core, metrics, rx) {
-                tracing::error!(error = %e, "the engine cannot continue");
-                failed_tx.send_replace(Some(e.to_string()));
-            }
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(core, metrics, rx)));
+            let reason = match outcome {
+                Ok(Ok(())) => return,
+                Ok(Err(e)) => e.to_string(),
+                Err(p) => {
+                    format!("the engine thread panicked: {}", crate::backend::tp_group::panic_message(p.as_ref()))
+                }
+            };
+            tracing::error!(error = %reason, "the engine cannot continue");
+            failed_tx.send_replace(Some(reason));
         })
         .expect("spawn engine thread");
     (EngineHandle { tx }, join, failed)

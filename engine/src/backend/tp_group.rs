@@ -101,6 +101,9 @@ impl TpGroup {
             let join = thread::Builder::new()
                 .name(format!("tp-rank-{rank}"))
                 .spawn(move || {
+                    // Whatever panics in this thread (outside the step's own catch too)
+                    // releases the other ranks.
+                    let _poison_on_panic = PoisonOnPanic(comm.clone());
                     let mut kv = shard.kv_store(num_blocks, block_size);
                     for step in rx {
                         let result = catch_unwind(AssertUnwindSafe(|| {
@@ -204,7 +207,19 @@ impl Drop for TpGroup {
     }
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+/// Poisons the communicator when dropped during a panic.
+struct PoisonOnPanic(Arc<ShmCommunicator>);
+
+impl Drop for PoisonOnPanic {
+    fn drop(&mut self) {
+        if thread::panicking() {
+            self.0.poison();
+        }
+    }
+}
+
+/// The message of a caught panic.
+pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<&str>()
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())

@@ -720,11 +720,19 @@ struct Scratch {
     acts: Vec<QuantizedActs>,
     yt: Vec<f32>,
     partials: Vec<f32>,
+    /// [`MAX_PARTIALS`], smaller in tests.
+    max_partials: usize,
 }
 
 impl Default for Scratch {
     fn default() -> Self {
-        Self { kernel: Kernel::detect(), acts: Vec::new(), yt: Vec::new(), partials: Vec::new() }
+        Self {
+            kernel: Kernel::detect(),
+            acts: Vec::new(),
+            yt: Vec::new(),
+            partials: Vec::new(),
+            max_partials: MAX_PARTIALS,
+        }
     }
 }
 
@@ -788,6 +796,9 @@ fn matmul(ws: &[&Matrix], xs: &[&[f32]], ys: &mut [&mut [f32]], scratch: &mut Sc
     let mut base = 0;
     for (w, y) in ws.iter().zip(ys.iter_mut()) {
         debug_assert_eq!(y.len(), t * w.rows);
+        if w.rows == 0 {
+            continue;
+        }
         let yt = &scratch.yt[base * t..(base + w.rows) * t];
         y.par_chunks_mut(w.rows).enumerate().for_each(|(tt, yr)| {
             yr.iter_mut().enumerate().for_each(|(r, v)| *v = yt[r * t + tt]);
@@ -811,29 +822,43 @@ fn row_parallel(
 ) -> Result<(), ModelError> {
     let (k, cols, rows) = (parts.len(), parts[0].cols, parts[0].rows);
     let width = k * cols;
-    let xs: Vec<Vec<f32>> = if k == 1 {
-        Vec::new()
-    } else {
-        (0..k)
-            .map(|j| (0..t).flat_map(|r| &x[r * width + j * cols..r * width + (j + 1) * cols]).copied().collect())
-            .collect()
+    let segment = |j: usize| -> Vec<f32> {
+        (0..t).flat_map(|r| &x[r * width + j * cols..r * width + (j + 1) * cols]).copied().collect()
     };
-    let inputs: Vec<&[f32]> = if k == 1 { vec![x] } else { xs.iter().map(Vec::as_slice).collect() };
     let mut partials = std::mem::take(&mut scratch.partials);
-    partials.resize(k * t * rows, 0.0);
-    let mut ys: Vec<&mut [f32]> = partials.chunks_exact_mut(t * rows).collect();
-    let ws: Vec<&Matrix> = parts.iter().collect();
-    matmul(&ws, &inputs, &mut ys, scratch)?;
-    let result = match comm {
-        Some((comm, rank)) => comm.all_reduce_sum(rank, &partials, out).map_err(ModelError::from),
-        None => {
-            sum_parts(&partials, out);
-            Ok(())
+    // Segments computed together in one parallel pass, as many as fit in `MAX_PARTIALS`
+    // floats (a long prefill of a wide model would otherwise hold S full outputs). Across
+    // a group every rank hands over all of its S / N partials at once.
+    let group = if comm.is_some() { k } else { (scratch.max_partials / (t * rows).max(1)).clamp(1, k) };
+    let mut result = Ok(());
+    for g0 in (0..k).step_by(group) {
+        let n = group.min(k - g0);
+        let xs: Vec<Vec<f32>> = if k == 1 { Vec::new() } else { (g0..g0 + n).map(segment).collect() };
+        let inputs: Vec<&[f32]> = if k == 1 { vec![x] } else { xs.iter().map(Vec::as_slice).collect() };
+        partials.resize(n * t * rows, 0.0);
+        let mut ys: Vec<&mut [f32]> = partials.chunks_exact_mut(t * rows).collect();
+        let ws: Vec<&Matrix> = parts[g0..g0 + n].iter().collect();
+        if let Err(e) = matmul(&ws, &inputs, &mut ys, scratch) {
+            result = Err(e);
+            break;
         }
-    };
+        match comm {
+            Some((comm, rank)) => result = comm.all_reduce_sum(rank, &partials, out).map_err(ModelError::from),
+            // The same order as one pass: ((p0 + p1) + p2) + …
+            None if g0 == 0 => sum_parts(&partials, out),
+            None => {
+                for p in partials.chunks_exact(out.len().max(1)) {
+                    out.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+                }
+            }
+        }
+    }
     scratch.partials = partials;
     result
 }
+
+/// Floats of partial outputs [`row_parallel`] keeps at once on one rank (16 MiB).
+const MAX_PARTIALS: usize = 4 << 20;
 
 #[cfg(test)]
 mod tests;

@@ -197,6 +197,10 @@ impl Communicator for ShmCommunicator {
     }
 }
 
+/// The largest group the cpu backend runs (vLLM's usual ceiling within one node). It also
+/// bounds the row-parallel segment count ([`crate::model::llama::RowParallel`]).
+pub const MAX_SIZE: usize = 8;
+
 /// Why a tensor-parallel size does not fit a model.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("--tensor-parallel-size {size}: {reason} (sizes that fit this model: {valid})")]
@@ -284,6 +288,12 @@ impl TpPlan {
         if n == 0 {
             return Some("must be at least 1".into());
         }
+        if n > MAX_SIZE {
+            return Some(format!("the cpu backend runs at most {MAX_SIZE} ranks"));
+        }
+        if d.vocab < n {
+            return Some(format!("the vocabulary ({}) is smaller than {n}", d.vocab));
+        }
         if !d.n_heads.is_multiple_of(n) {
             return Some(format!("the model's {} attention heads do not divide by {n}", d.n_heads));
         }
@@ -322,8 +332,13 @@ mod tests {
         assert_eq!(e.to_string(), "--tensor-parallel-size 2: the model's 9 attention heads do not divide by 2 (sizes that fit this model: 1, 3)");
         let p = TpPlan::new(smollm2(), 3, 2).unwrap();
         assert_eq!((p.heads, p.kv_heads, p.ffn, p.vocab), (6..9, 2..3, 1024..1536, 32768..49152));
-        // 9 ranks would replicate K/V heads, but the MLP (1536) does not divide by 9.
-        assert!(TpPlan::new(smollm2(), 9, 0).unwrap_err().reason.contains("MLP size 1536"));
+        // 9 ranks would replicate K/V heads, but the MLP (1536) does not divide by 9 — and
+        // the cpu backend stops at 8 ranks anyway.
+        assert!(TpPlan::new(smollm2(), 9, 0).unwrap_err().reason.contains("at most 8 ranks"));
+        let wide = TpDims { n_heads: 12, ffn_dim: 1536, ..smollm2() };
+        assert!(TpPlan::new(wide, 12, 0).unwrap_err().reason.contains("at most 8"));
+        let tiny_vocab = TpDims { vocab: 2, ..smollm2() };
+        assert!(TpPlan::new(tiny_vocab, 3, 0).unwrap_err().reason.contains("vocabulary (2) is smaller than 3"));
     }
 
     #[test]

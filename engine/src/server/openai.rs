@@ -288,7 +288,7 @@ pub fn logprobs_request(c: &CommonParams, chat: bool, max: usize) -> Result<Opti
             ));
         }
         match &c.logprobs {
-            None | Some(Value::Null) => None,
+            None | Some(Value::Null) | Some(Value::Bool(false)) => None,
             Some(v) => Some(count("logprobs", v)?),
         }
     };

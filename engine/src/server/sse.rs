@@ -200,8 +200,10 @@ impl Logprobs {
                 for lp in self.pending.drain(..) {
                     let t = text(lp.token);
                     let mut top = serde_json::Map::new();
+                    // Distinct tokens can decode to the same text (specials to "", broken
+                    // UTF-8 to U+FFFD): the most likely keeps the key.
                     for &(id, l) in &lp.top {
-                        top.insert(text(id), json!(l));
+                        top.entry(text(id)).or_insert(json!(l));
                     }
                     top.entry(t.clone()).or_insert(json!(lp.logprob));
                     offsets.push(self.offset);

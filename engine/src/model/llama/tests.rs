@@ -283,3 +283,34 @@ fn a_failed_rank_fails_the_group_without_hanging() {
     let e = TpGroup::spawn(&m, 3, 2, 16, 4, None).unwrap_err().to_string();
     assert!(e.contains("8 attention heads do not divide by 3") && e.contains("1, 2, 4, 8"), "{e}");
 }
+
+#[test]
+fn row_parallel_segments_sum_the_same_in_one_pass_or_one_at_a_time() {
+    let mut seed = 11u64;
+    let parts: Vec<Matrix> = (0..4).map(|_| f32_matrix(6, 8, &mut seed)).collect();
+    let t = 5;
+    let x: Vec<f32> = (0..t * 32).map(|_| rng(&mut seed)).collect();
+    let run = |max_partials: usize| {
+        let mut scratch = Scratch { max_partials, ..Scratch::default() };
+        let mut out = vec![0f32; t * 6];
+        row_parallel(&parts, &x, t, &mut out, &mut scratch, None).unwrap();
+        out
+    };
+    let (all, single, pairs) = (run(1 << 20), run(1), run(2 * t * 6));
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&all), bits(&single));
+    assert_eq!(bits(&all), bits(&pairs));
+    // And it is the product with the whole matrix, up to rounding.
+    for r in 0..t {
+        for o in 0..6 {
+            let want: f32 = (0..4)
+                .map(|j| {
+                    let mut row = vec![0f32; 8];
+                    parts[j].row_f32(o, &mut row).unwrap();
+                    (0..8).map(|c| row[c] * x[r * 32 + j * 8 + c]).sum::<f32>()
+                })
+                .sum();
+            assert!((all[r * 6 + o] - want).abs() < 1e-5, "{} vs {want}", all[r * 6 + o]);
+        }
+    }
+}
