@@ -55,6 +55,7 @@
 //! `vllm:model_config_info`.
 
 pub mod error;
+pub mod expose;
 mod normalize;
 pub mod text;
 

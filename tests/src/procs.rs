@@ -159,6 +159,64 @@ impl Drop for GatewayProc {
     }
 }
 
+/// A `switchyard-shim` sidecar process in front of an engine.
+pub struct ShimProc {
+    child: Child,
+    /// Where it listens.
+    pub addr: SocketAddr,
+}
+
+impl ShimProc {
+    /// Start with `--engine-url engine_url` plus `args`, on a free loopback port; waits for its
+    /// listening line.
+    pub fn start(engine_url: &str, args: &[&str]) -> ShimProc {
+        let mut child = Command::new(workspace_bin("switchyard-shim"))
+            .args(["--listen", "127.0.0.1:0", "--engine-url", engine_url])
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn switchyard-shim");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(line)) = lines.next() {
+                let _ = tx.send(line);
+            }
+            for _ in lines {}
+        });
+        let line = rx.recv_timeout(Duration::from_secs(20)).expect("shim did not start within 20 s");
+        let addr = line.trim().strip_prefix("listening on http://").expect("listening line").parse().unwrap();
+        ShimProc { child, addr }
+    }
+
+    /// Send SIGTERM (as the kubelet does).
+    pub fn terminate(&self) {
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+    }
+
+    /// Wait up to `limit` for the process to exit; its status.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for ShimProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// A static-discovery gateway config for `backends` with `policy` (YAML flow map).
 pub fn gateway_yaml(listen: SocketAddr, admin: SocketAddr, backends: &[String], policy: &str) -> String {
     let mut y = format!("listen: {listen}\nadmin_listen: {admin}\nthreads: 2\ndiscovery:\n  static:\n");

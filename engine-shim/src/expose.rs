@@ -1,0 +1,158 @@
+//! What the sidecar serves: the normalized load as vLLM-named Prometheus gauges (so one
+//! dashboard, one KEDA query and one gateway scrape work for every engine) followed by the
+//! engine's own series passed through, and the same load as JSON for `/load`.
+//!
+//! Pure: the caller passes the parsed signal, the engine's raw text and the sidecar's own
+//! counters.
+
+use std::fmt::Write;
+
+use crate::LoadSignal;
+
+/// The sidecar's own view of its engine.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SidecarState {
+    /// Requests proxied and not finished (the response body still streaming).
+    pub in_flight: u64,
+    /// The engine answers its health check and lists its model.
+    pub ready: bool,
+    /// SIGTERM received: not ready, finishing in-flight requests.
+    pub draining: bool,
+}
+
+/// The gauges written under vLLM's names; engine lines with these names are not passed
+/// through (a vLLM engine's own copies would duplicate them).
+pub const NORMALIZED: [&str; 3] =
+    ["vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"];
+
+fn metric_name(line: &str) -> Option<&str> {
+    let line = line.trim_start();
+    if let Some(rest) = line.strip_prefix('#') {
+        // `# HELP name …` / `# TYPE name …`
+        let mut it = rest.split_whitespace();
+        return match it.next() {
+            Some("HELP" | "TYPE") => it.next(),
+            _ => None,
+        };
+    }
+    let end = line.find(|c: char| c == '{' || c.is_whitespace()).unwrap_or(line.len());
+    (end > 0).then(|| &line[..end])
+}
+
+/// The `/metrics` body: normalized gauges (labelled with the detected dialect), the
+/// sidecar's state, then `engine_text` without the normalized names. `signal` is `None`
+/// when the last scrape failed (the gauges are then absent, not zero).
+pub fn metrics_text(signal: Option<&LoadSignal>, state: SidecarState, engine_text: &str) -> String {
+    let mut out = String::with_capacity(engine_text.len() + 1024);
+    if let Some(s) = signal {
+        let d = s.dialect.as_str();
+        let gauges = [
+            (NORMALIZED[0], "Requests waiting (normalized by switchyard-shim).", Some(s.waiting)),
+            (NORMALIZED[1], "Requests running (normalized by switchyard-shim).", Some(s.running)),
+            (NORMALIZED[2], "KV-cache usage, 1 = full (normalized by switchyard-shim).", s.kv_usage),
+        ];
+        for (name, help, value) in gauges {
+            if let Some(v) = value {
+                let _ =
+                    writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{engine_dialect=\"{d}\"}} {v}");
+            }
+        }
+    }
+    let own = [
+        ("switchyard_shim_in_flight_requests", "Requests proxied and not finished.", state.in_flight as f64),
+        (
+            "switchyard_shim_ready",
+            "1 when the engine is healthy, lists its model and is not draining.",
+            f64::from(u8::from(state.ready && !state.draining)),
+        ),
+        ("switchyard_shim_draining", "1 after SIGTERM.", f64::from(u8::from(state.draining))),
+    ];
+    for (name, help, v) in own {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+    }
+    for line in engine_text.lines() {
+        if metric_name(line).is_some_and(|n| NORMALIZED.contains(&n)) {
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+fn json_num(v: Option<f64>) -> String {
+    v.filter(|x| x.is_finite()).map_or_else(|| "null".to_string(), |x| x.to_string())
+}
+
+/// The `/load` body: `{"dialect", "waiting", "running", "kv_usage", "prefix_hit_rate",
+/// "in_flight", "ready", "draining", "scraped_at_unix_ms", "error"}`; the signal fields are
+/// `null` when the last scrape failed, and `error` says why.
+pub fn load_json(signal: Option<&LoadSignal>, state: SidecarState, error: Option<&str>) -> String {
+    let esc = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', " ");
+    format!(
+        "{{\"dialect\":{},\"waiting\":{},\"running\":{},\"kv_usage\":{},\"prefix_hit_rate\":{},\"in_flight\":{},\
+         \"ready\":{},\"draining\":{},\"scraped_at_unix_ms\":{},\"error\":{}}}",
+        signal.map_or_else(|| "null".into(), |s| format!("\"{}\"", s.dialect.as_str())),
+        json_num(signal.map(|s| s.waiting)),
+        json_num(signal.map(|s| s.running)),
+        json_num(signal.and_then(|s| s.kv_usage)),
+        json_num(signal.and_then(|s| s.prefix_hit_rate)),
+        state.in_flight,
+        state.ready && !state.draining,
+        state.draining,
+        signal.map_or_else(|| "null".into(), |s| s.scraped_at_unix_ms.to_string()),
+        error.map_or_else(|| "null".into(), |e| format!("\"{}\"", esc(e))),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SGLANG: &str = include_str!("testdata/sglang.prom");
+    const VLLM: &str = include_str!("testdata/vllm_v1.prom");
+
+    fn state() -> SidecarState {
+        SidecarState { in_flight: 3, ready: true, draining: false }
+    }
+
+    #[test]
+    fn sglang_reads_as_vllm_names_and_keeps_its_own_series() {
+        let s = crate::parse_load_signal(SGLANG, 5).unwrap();
+        let text = metrics_text(Some(&s), state(), SGLANG);
+        assert!(text.contains(&format!("vllm:num_requests_waiting{{engine_dialect=\"sglang\"}} {}", s.waiting)));
+        assert!(text.contains("switchyard_shim_in_flight_requests 3"));
+        assert!(text.contains("sglang:num_queue_reqs"), "the engine's own series pass through");
+        // The result is itself valid exposition text that normalizes to the same load.
+        let again = crate::parse_load_signal(&text, 5).unwrap();
+        assert_eq!((again.waiting, again.running), (s.waiting, s.running));
+    }
+
+    #[test]
+    fn a_vllm_engine_is_not_counted_twice() {
+        let s = crate::parse_load_signal(VLLM, 5).unwrap();
+        let text = metrics_text(Some(&s), state(), VLLM);
+        let samples = text.lines().filter(|l| l.starts_with("vllm:num_requests_waiting")).count();
+        assert_eq!(samples, 1, "{text}");
+        let types = text.lines().filter(|l| *l == "# TYPE vllm:num_requests_waiting gauge").count();
+        assert_eq!(types, 1);
+    }
+
+    #[test]
+    fn load_json_is_null_where_unknown() {
+        let j = load_json(
+            None,
+            SidecarState { in_flight: 0, ready: false, draining: true },
+            Some("connection \"refused\""),
+        );
+        assert_eq!(
+            j,
+            r#"{"dialect":null,"waiting":null,"running":null,"kv_usage":null,"prefix_hit_rate":null,"in_flight":0,"ready":false,"draining":true,"scraped_at_unix_ms":null,"error":"connection \"refused\""}"#
+        );
+        let s = crate::parse_load_signal(SGLANG, 7).unwrap();
+        let j = load_json(Some(&s), state(), None);
+        assert!(
+            j.starts_with("{\"dialect\":\"sglang\"") && j.contains("\"in_flight\":3") && j.ends_with("\"error\":null}")
+        );
+    }
+}

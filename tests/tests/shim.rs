@@ -1,0 +1,113 @@
+//! `switchyard-shim` in front of a real engine process: readiness follows the engine and
+//! its model list, `/metrics` and `/load` carry the normalized load, the API is proxied
+//! without buffering while in-flight requests are counted, a dialect mismatch is reported,
+//! and SIGTERM drains: not ready at once, the open stream finishes, exit 0.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use switchyard_testkit::*;
+
+async fn status(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    let r = send(addr, "GET", path, "").await;
+    let s = r.status;
+    (s, r.text().await)
+}
+
+/// Poll `path` until its body contains `needle`.
+async fn wait_body(addr: std::net::SocketAddr, path: &str, needle: &str) -> String {
+    let start = Instant::now();
+    loop {
+        let (_, body) = status(addr, path).await;
+        if body.contains(needle) {
+            return body;
+        }
+        assert!(start.elapsed() < Duration::from_secs(15), "{path} never said {needle:?}: {body}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn wait_status(addr: std::net::SocketAddr, path: &str, want: u16) -> String {
+    let start = Instant::now();
+    loop {
+        let (s, body) = status(addr, path).await;
+        if s == want {
+            return body;
+        }
+        assert!(start.elapsed() < Duration::from_secs(15), "{path} stayed {s}: {body}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sidecar_proxies_counts_normalizes_and_drains() {
+    let engine = EngineProc::start(&["--backend", "sim", "--sim-profile", "h100-llama3-8b"]);
+    let mut shim = ShimProc::start(&engine.url(), &["--scrape-interval-ms", "50", "--drain-timeout", "20s"]);
+    wait_status(shim.addr, "/-/healthz", 200).await;
+
+    let (s, metrics) = status(shim.addr, "/metrics").await;
+    assert_eq!(s, 200);
+    let waiting: Vec<&str> = metrics.lines().filter(|l| l.starts_with("vllm:num_requests_waiting")).collect();
+    assert_eq!(waiting, vec!["vllm:num_requests_waiting{engine_dialect=\"vllm\"} 0"], "normalized once");
+    assert!(metrics.contains("vllm:num_requests_running{engine_dialect=\"vllm\"}"));
+    assert!(metrics.contains("vllm:prompt_tokens_total"), "the engine's own series pass through");
+    assert!(metrics.contains("switchyard_shim_in_flight_requests 0"));
+    assert!(parse_metrics(&metrics).len() > 5, "the whole body parses as Prometheus text");
+
+    // A streamed completion through the shim: chunks arrive as the engine makes them.
+    let body = json!({"prompt": "hello there", "max_tokens": 60, "ignore_eos": true, "stream": true});
+    let mut r = post(shim.addr, "/v1/completions", &body).await;
+    assert_eq!(r.status, 200);
+    let first = r.next_event().await.expect("a first chunk");
+    assert!(first.contains("text_completion"));
+    let load: serde_json::Value = serde_json::from_str(&status(shim.addr, "/load").await.1).unwrap();
+    assert_eq!(load["in_flight"], 1, "{load}");
+    assert_eq!(load["dialect"], "vllm");
+    assert_eq!(load["ready"], true);
+    let started = Instant::now();
+    let rest = r.events().await;
+    assert!(rest.len() >= 50, "{} more events", rest.len());
+    // 60 tokens at ~7 ms each: the rest of the stream spans well over 100 ms, so the first
+    // chunk was not held back until the end.
+    assert!(rest[rest.len() - 1].0 - started > Duration::from_millis(100));
+    let load: serde_json::Value = serde_json::from_str(&status(shim.addr, "/load").await.1).unwrap();
+    assert_eq!(load["in_flight"], 0);
+    let (_, metrics) = status(shim.addr, "/metrics").await;
+    assert!(metrics.contains("switchyard_shim_ttft_seconds_count 1"), "one TTFT observed");
+
+    // SIGTERM with a stream open: not ready at once, the stream still completes, exit 0.
+    let body = json!({"prompt": "drain me", "max_tokens": 80, "ignore_eos": true, "stream": true});
+    let mut r = post(shim.addr, "/v1/completions", &body).await;
+    r.next_event().await.expect("first chunk");
+    shim.terminate();
+    let why = wait_status(shim.addr, "/-/healthz", 503).await;
+    assert!(why.contains("draining"), "{why}");
+    let rest = r.events().await;
+    assert!(rest.iter().any(|(_, e)| e == "[DONE]"), "the open stream finished");
+    let st = tokio::task::spawn_blocking(move || shim.wait_exit(Duration::from_secs(10))).await.unwrap();
+    assert_eq!(st.map(|s| s.code()), Some(Some(0)), "exit 0 after the drain");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_needs_a_healthy_engine_the_right_dialect_and_the_model() {
+    let mut engine = EngineProc::start(&["--backend", "sim", "--sim-profile", "instant"]);
+    let wrong = ShimProc::start(&engine.url(), &["--scrape-interval-ms", "50", "--dialect", "sglang"]);
+    wait_body(wrong.addr, "/-/healthz", "the engine's metrics are vllm, --dialect says sglang").await;
+    assert_eq!(status(wrong.addr, "/-/healthz").await.0, 503);
+
+    let other_model = ShimProc::start(&engine.url(), &["--scrape-interval-ms", "50", "--served-model-name", "nope"]);
+    let shim = ShimProc::start(&engine.url(), &["--scrape-interval-ms", "50", "--dialect", "switchyard"]);
+    wait_status(shim.addr, "/-/healthz", 200).await;
+    wait_body(other_model.addr, "/-/healthz", "does not list model `nope`").await;
+    assert_eq!(status(other_model.addr, "/-/healthz").await.0, 503);
+
+    // The engine dies: not ready, /load says why, the API answers 502 in the OpenAI shape.
+    engine.kill();
+    let why = wait_status(shim.addr, "/-/healthz", 503).await;
+    assert!(why.contains("not ready"), "{why}");
+    let load: serde_json::Value = serde_json::from_str(&status(shim.addr, "/load").await.1).unwrap();
+    assert!(load["error"].is_string() && load["waiting"].is_null(), "{load}");
+    let r = post(shim.addr, "/v1/completions", &json!({"prompt": "x"})).await;
+    assert_eq!(r.status, 502);
+    assert!(r.json().await["error"]["message"].as_str().unwrap().contains("engine unreachable"));
+}
