@@ -22,4 +22,8 @@ pub enum ShimError {
     /// (vLLM, SGLang, TGI, llama.cpp).
     #[error("no known engine metrics (vLLM, SGLang, TGI or llama.cpp) in the metrics text")]
     NoKnownMetrics,
+    /// A sidecar's `/load` body is not the JSON [`crate::expose::load_json`] writes, or
+    /// says the engine behind it is not ready.
+    #[error("sidecar /load: {0}")]
+    Load(String),
 }

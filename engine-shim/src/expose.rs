@@ -7,7 +7,7 @@
 
 use std::fmt::Write;
 
-use crate::LoadSignal;
+use crate::{Dialect, LoadSignal, ShimError};
 
 /// The sidecar's own view of its engine.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -105,6 +105,48 @@ pub fn load_json(signal: Option<&LoadSignal>, state: SidecarState, error: Option
     )
 }
 
+/// Read a sidecar's `/load` body back into a [`LoadSignal`] (what a gateway configured to
+/// read sidecars does). A sidecar without a signal, not ready or draining is an error that
+/// says so: the backend must take no new requests.
+pub fn parse_load_json(text: &str, scraped_at_unix_ms: u64) -> Result<LoadSignal, ShimError> {
+    let bad = |why: String| ShimError::Load(why);
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    if v["draining"].as_bool() == Some(true) {
+        return Err(bad("draining".into()));
+    }
+    let reason = v["error"].as_str().unwrap_or("no reason given");
+    if v["ready"].as_bool() != Some(true) {
+        return Err(bad(format!("not ready: {reason}")));
+    }
+    let dialect = match v["dialect"].as_str() {
+        Some("vllm") => Dialect::Vllm,
+        Some("sglang") => Dialect::Sglang,
+        Some("tgi") => Dialect::Tgi,
+        Some("llamacpp") => Dialect::LlamaCpp,
+        Some(other) => return Err(bad(format!("unknown dialect `{other}`"))),
+        None => return Err(bad(format!("no load signal: {reason}"))),
+    };
+    let num = |k: &str| v[k].as_f64().filter(|x| x.is_finite() && *x >= 0.0);
+    let (Some(waiting), Some(running)) = (num("waiting"), num("running")) else {
+        return Err(bad("`waiting` and `running` must be non-negative numbers".into()));
+    };
+    Ok(LoadSignal {
+        dialect,
+        waiting,
+        // The sidecar's own in-flight count includes requests the engine has not admitted
+        // yet; the engine's running count is what its batch holds.
+        running,
+        kv_usage: num("kv_usage").map(|x| x.min(1.0)),
+        prefix_hit_rate: num("prefix_hit_rate").map(|x| x.min(1.0)),
+        prefix_cache_queries_total: None,
+        prefix_cache_hits_total: None,
+        generation_tokens_total: None,
+        process_start_time_seconds: None,
+        max_model_len: None,
+        scraped_at_unix_ms,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -136,6 +178,24 @@ mod tests {
         assert_eq!(samples, 1, "{text}");
         let types = text.lines().filter(|l| *l == "# TYPE vllm:num_requests_waiting gauge").count();
         assert_eq!(types, 1);
+    }
+
+    #[test]
+    fn load_json_round_trips_and_refuses_what_must_take_no_traffic() {
+        let s = crate::parse_load_signal(SGLANG, 7).unwrap();
+        let back = parse_load_json(&load_json(Some(&s), state(), None), 9).unwrap();
+        assert_eq!(
+            (back.dialect, back.waiting, back.running, back.kv_usage),
+            (s.dialect, s.waiting, s.running, s.kv_usage)
+        );
+        assert_eq!(back.scraped_at_unix_ms, 9);
+        let draining = SidecarState { draining: true, ..state() };
+        assert_eq!(parse_load_json(&load_json(Some(&s), draining, None), 9), Err(ShimError::Load("draining".into())));
+        let down = load_json(None, SidecarState { ready: false, ..state() }, Some("engine /health failing"));
+        assert_eq!(parse_load_json(&down, 9), Err(ShimError::Load("not ready: engine /health failing".into())));
+        assert!(matches!(parse_load_json("<html>", 9), Err(ShimError::Load(m)) if m.starts_with("not JSON")));
+        let negative = r#"{"dialect":"vllm","waiting":-1,"running":0,"ready":true,"draining":false}"#;
+        assert!(parse_load_json(negative, 9).is_err());
     }
 
     #[test]

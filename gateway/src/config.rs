@@ -102,11 +102,31 @@ pub struct ScrapeConfig {
     pub stale_after_ms: u64,
     /// Consecutive failed scrapes after which a backend is marked down.
     pub down_after_failures: u32,
+    /// Where the load comes from: the engine's `/metrics`, or the `switchyard-shim` sidecar's
+    /// `/load` (backend URLs then point at the sidecars).
+    pub source: SignalSource,
+}
+
+/// Which endpoint of a backend carries its load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SignalSource {
+    /// Prometheus text from `/metrics`, in any engine's dialect.
+    #[default]
+    Metrics,
+    /// The sidecar's JSON `/load` (not ready or draining counts as a failed scrape).
+    Load,
 }
 
 impl Default for ScrapeConfig {
     fn default() -> Self {
-        ScrapeConfig { interval_ms: 100, timeout_ms: 500, stale_after_ms: 2000, down_after_failures: 3 }
+        ScrapeConfig {
+            interval_ms: 100,
+            timeout_ms: 500,
+            stale_after_ms: 2000,
+            down_after_failures: 3,
+            source: SignalSource::Metrics,
+        }
     }
 }
 

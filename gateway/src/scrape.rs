@@ -1,4 +1,5 @@
-//! Background scraper: every `scrape.interval_ms`, each backend's `/metrics` → `LoadSignal`.
+//! Background scraper: every `scrape.interval_ms`, each backend's `/metrics` (or, with
+//! `scrape.source: load`, its sidecar's `/load`) → `LoadSignal`.
 //!
 //! Parsing is the pure `switchyard_shim` library (vLLM V0/V1, our engine, SGLang, TGI,
 //! llama.cpp). Each result is published by swapping the backend's [`Scraped`] cell, so
@@ -21,6 +22,7 @@ use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 
 use crate::cluster::{Backend, Scraped};
+use crate::config::SignalSource;
 use crate::state::GatewayState;
 
 /// Model lists are refreshed every this many scrapes.
@@ -70,15 +72,22 @@ impl Scraper {
         Ok(ids)
     }
 
-    async fn scrape(&self, b: &Backend, timeout: Duration, round: u64) {
+    async fn scrape(&self, b: &Backend, timeout: Duration, source: SignalSource, round: u64) {
         let prev = b.scraped.load_full();
         let result = match b.addr {
             None => Err(format!("{} does not resolve", b.authority)),
             Some(addr) => match tokio::time::timeout(timeout, async {
-                let text = self.get(addr, "/metrics").await?;
                 let unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-                let signal =
-                    switchyard_shim::parse_load_signal(&text, unix_ms).map_err(|e| format!("/metrics: {e}"))?;
+                let signal = match source {
+                    SignalSource::Metrics => {
+                        let text = self.get(addr, "/metrics").await?;
+                        switchyard_shim::parse_load_signal(&text, unix_ms).map_err(|e| format!("/metrics: {e}"))?
+                    }
+                    SignalSource::Load => {
+                        let text = self.get(addr, "/load").await?;
+                        switchyard_shim::expose::parse_load_json(&text, unix_ms).map_err(|e| e.to_string())?
+                    }
+                };
                 let refresh = b.configured_models.is_none()
                     && (prev.models.is_empty() || round.is_multiple_of(MODELS_REFRESH_EVERY));
                 let models = if refresh { Some(self.models(addr).await?) } else { None };
@@ -118,8 +127,9 @@ impl Scraper {
     /// Scrape every backend once, concurrently.
     pub async fn scrape_all(&self, round: u64) {
         let active = self.state.active.load_full();
-        let timeout = active.config.scrape.timeout();
-        futures_util::future::join_all(active.cluster.backends.iter().map(|b| self.scrape(b, timeout, round))).await;
+        let (timeout, source) = (active.config.scrape.timeout(), active.config.scrape.source);
+        futures_util::future::join_all(active.cluster.backends.iter().map(|b| self.scrape(b, timeout, source, round)))
+            .await;
     }
 }
 

@@ -111,3 +111,45 @@ async fn readiness_needs_a_healthy_engine_the_right_dialect_and_the_model() {
     assert_eq!(r.status, 502);
     assert!(r.json().await["error"]["message"].as_str().unwrap().contains("engine unreachable"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_reading_sidecars_stops_routing_to_a_draining_pod() {
+    let (e1, e2) = (EngineProc::start(&["--backend", "sim"]), EngineProc::start(&["--backend", "sim"]));
+    let s1 = ShimProc::start(&e1.url(), &["--scrape-interval-ms", "20", "--drain-timeout", "30"]);
+    let s2 = ShimProc::start(&e2.url(), &["--scrape-interval-ms", "20"]);
+    let urls = [format!("http://{}", s1.addr), format!("http://{}", s2.addr)];
+    let g = GatewayProc::start(|l, a| {
+        gateway_yaml(l, a, &urls, "{ type: least_load }").replace("scrape: {", "scrape: { source: load,")
+    });
+    wait_scraped(&g, 2).await;
+    for i in 0..6 {
+        let r = post(g.addr, "/v1/completions", &json!({"prompt": format!("hi {i}"), "max_tokens": 4})).await;
+        assert_eq!(r.status, 200);
+    }
+    // A long stream straight to the first pod, then SIGTERM: the sidecar says `draining` on
+    // /load at once, and the gateway takes that pod out while its stream runs on.
+    let body = json!({"prompt": "long", "max_tokens": 400, "ignore_eos": true, "stream": true});
+    let mut open = post(s1.addr, "/v1/completions", &body).await;
+    open.next_event().await.expect("first chunk");
+    s1.terminate();
+    let start = Instant::now();
+    let pod =
+        |b: &serde_json::Value| b["backends"].as_array().unwrap().iter().find(|x| x["url"] == urls[0]).unwrap().clone();
+    loop {
+        let b = pod(&backends(&g).await);
+        if b["state"] == "down" {
+            assert!(b["scrape_error"].as_str().unwrap_or("").contains("draining"), "{b}");
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "the draining pod stayed {b}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let before = pod(&backends(&g).await)["routed"].as_u64().unwrap();
+    for i in 0..6 {
+        let r = post(g.addr, "/v1/completions", &json!({"prompt": format!("after {i}"), "max_tokens": 4})).await;
+        assert_eq!(r.status, 200);
+    }
+    assert_eq!(pod(&backends(&g).await)["routed"].as_u64().unwrap(), before, "no new request reached the draining pod");
+    let rest = open.events().await;
+    assert!(rest.iter().any(|(_, e)| e == "[DONE]"), "the draining pod finished its stream");
+}
