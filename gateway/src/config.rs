@@ -71,12 +71,22 @@ impl Default for GatewayConfig {
 }
 
 /// Backend discovery.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DiscoveryConfig {
     /// A fixed list of engines.
     #[serde(rename = "static")]
     pub static_backends: Vec<StaticBackend>,
+    /// How often backend host names are resolved again (0: only when the config is
+    /// applied). A name that did not resolve (a pod not created yet) or that now points
+    /// elsewhere (a restarted pod) is picked up without a reload.
+    pub resolve_interval_ms: u64,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        DiscoveryConfig { static_backends: Vec::new(), resolve_interval_ms: 5000 }
+    }
 }
 
 /// One statically configured engine.

@@ -6,7 +6,8 @@
 //! config in force, is logged with every field error and counted as
 //! `switchyard_config_reloads_total{result="error"}`.
 //!
-//! It also writes out the buffered access log every second. On shutdown the service marks
+//! It also resolves backend host names again every `discovery.resolve_interval_ms` (see
+//! [`GatewayState::re_resolve`]) and writes out the buffered access log every second. On shutdown the service marks
 //! the gateway as draining, so `/-/ready` fails while
 //! in-flight streams finish within the grace period.
 
@@ -74,6 +75,7 @@ impl BackgroundService for Reloader {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let mut last = std::fs::read_to_string(&self.path).ok();
         let mut flush_due = std::time::Instant::now();
+        let mut resolve_due = std::time::Instant::now();
         #[cfg(unix)]
         let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
         loop {
@@ -101,6 +103,13 @@ impl BackgroundService for Reloader {
                     if flush_due.elapsed() >= ACCESS_LOG_FLUSH {
                         self.state.access_log.flush();
                         flush_due = std::time::Instant::now();
+                    }
+                    let every = self.state.active.load().config.discovery.resolve_interval_ms;
+                    if every > 0 && resolve_due.elapsed() >= Duration::from_millis(every) {
+                        resolve_due = std::time::Instant::now();
+                        // The system resolver blocks (and may wait for timeouts): off the runtime.
+                        let state = self.state.clone();
+                        let _ = tokio::task::spawn_blocking(move || state.re_resolve(&crate::state::system_resolve)).await;
                     }
                 }
             }

@@ -5,7 +5,7 @@
 //! and the backend set — is swapped atomically (`ArcSwap`); requests in flight keep the
 //! snapshot they started with.
 
-use std::net::ToSocketAddrs;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
@@ -46,20 +46,32 @@ pub struct GatewayState {
     pub prefix: PrefixTracker,
 }
 
-/// Resolve the static backends of `cfg` (DNS happens here, once per apply, never per request).
-pub fn backend_specs(cfg: &GatewayConfig) -> Vec<BackendSpec> {
+/// Resolve a `host:port` with the system resolver (blocking).
+pub fn system_resolve(authority: &str) -> Option<SocketAddr> {
+    authority.to_socket_addrs().ok().and_then(|mut a| a.next())
+}
+
+/// The static backends of `cfg`, names resolved by `resolve` (DNS happens when a config is
+/// applied and every `discovery.resolve_interval_ms`, never per request).
+pub fn backend_specs_with(cfg: &GatewayConfig, resolve: &dyn Fn(&str) -> Option<SocketAddr>) -> Vec<BackendSpec> {
     cfg.discovery
         .static_backends
         .iter()
         .map(|b| {
             let authority = parse_backend_url(&b.url).expect("validated").authority;
-            let addr = authority.to_socket_addrs().ok().and_then(|mut a| a.next());
-            if addr.is_none() {
-                tracing::warn!(url = %b.url, "backend address does not resolve; it stays down");
-            }
+            let addr = resolve(&authority);
             BackendSpec { url: b.url.clone(), authority, addr, models: b.models.clone() }
         })
         .collect()
+}
+
+/// [`backend_specs_with`] the system resolver, warning about names that do not resolve.
+pub fn backend_specs(cfg: &GatewayConfig) -> Vec<BackendSpec> {
+    let specs = backend_specs_with(cfg, &system_resolve);
+    for s in specs.iter().filter(|s| s.addr.is_none()) {
+        tracing::warn!(url = %s.url, "backend address does not resolve; it stays down until it does");
+    }
+    specs
 }
 
 impl GatewayState {
@@ -78,6 +90,33 @@ impl GatewayState {
         })
     }
 
+    /// Resolve the active config's backend names again; when an address changed (a name
+    /// that now resolves, a pod with a new IP), rebuild the cluster view with the same
+    /// config — backends whose address did not change keep their state. True when rebuilt.
+    pub fn re_resolve(&self, resolve: &dyn Fn(&str) -> Option<SocketAddr>) -> bool {
+        let old = self.active.load_full();
+        let specs = backend_specs_with(&old.config, resolve);
+        let same = specs.len() == old.cluster.backends.len()
+            && specs.iter().zip(old.cluster.backends.iter()).all(|(s, b)| s.url == b.url && s.addr == b.addr);
+        if same {
+            return false;
+        }
+        for s in &specs {
+            if let Some(b) = old.cluster.backends.iter().find(|b| b.url == s.url && b.addr != s.addr) {
+                tracing::info!(url = %s.url, from = ?b.addr, to = ?s.addr, "backend address changed");
+            }
+        }
+        let cluster = Arc::new(ClusterView::rebuild(&old.cluster, &specs));
+        for gone in old.cluster.backends.iter().filter(|b| !cluster.backends.iter().any(|n| n.key == b.key)) {
+            self.prefix.remove(gone.key);
+        }
+        let policy = old.config.policy.build();
+        // Only if no reload swapped the config meanwhile (that one resolved for itself).
+        let next = Arc::new(Active { config: old.config.clone(), policy, cluster });
+        let prev = self.active.compare_and_swap(&old, next);
+        Arc::ptr_eq(&prev, &old)
+    }
+
     /// Swap in a new validated config: policy and backends change atomically; backends that
     /// stay keep their counters. Listener addresses need a restart and are left as they are.
     pub fn apply(&self, config: GatewayConfig) {
@@ -92,5 +131,39 @@ impl GatewayState {
         }
         let policy = config.policy.build();
         self.active.store(Arc::new(Active { config, policy, cluster }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> Arc<GatewayState> {
+        let yaml = "listen: 127.0.0.1:18080\nadmin_listen: 127.0.0.1:19090\ndiscovery:\n  static:\n    - url: http://engine-0.engines:8001\n    - url: http://127.0.0.1:9\n";
+        let cfg = GatewayConfig::parse(yaml).unwrap();
+        GatewayState::new(cfg, GatewayMetrics::new(prometheus::Registry::new()).unwrap())
+    }
+
+    #[test]
+    fn a_name_that_resolves_later_or_moves_is_picked_up_without_a_reload() {
+        let st = state();
+        let addr_of = |st: &GatewayState, i: usize| st.active.load().cluster.backends[i].addr;
+        // engine-0.engines does not resolve here (the pod does not exist yet).
+        assert_eq!(addr_of(&st, 0), None);
+        let loopback: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let fixed = |a: &str| if a == "127.0.0.1:9" { Some(loopback) } else { None };
+        assert!(!st.re_resolve(&fixed), "nothing changed");
+        let key_of_second = st.active.load().cluster.backends[1].key;
+        // The pod appears…
+        let up: SocketAddr = "10.0.0.7:8001".parse().unwrap();
+        let created = |a: &str| if a == "engine-0.engines:8001" { Some(up) } else { fixed(a) };
+        assert!(st.re_resolve(&created));
+        assert_eq!(addr_of(&st, 0), Some(up));
+        assert_eq!(st.active.load().cluster.backends[1].key, key_of_second, "the unchanged backend keeps its state");
+        assert!(!st.re_resolve(&created), "stable");
+        // …and restarts with a new IP.
+        let moved: SocketAddr = "10.0.0.9:8001".parse().unwrap();
+        assert!(st.re_resolve(&|a: &str| if a == "engine-0.engines:8001" { Some(moved) } else { fixed(a) }));
+        assert_eq!(addr_of(&st, 0), Some(moved));
     }
 }
