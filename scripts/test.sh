@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: unit, property and end-to-end tests of every crate.
+# The whole test suite: unit, property and end-to-end tests of every crate, then the Helm
+# chart's test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -8,3 +9,4 @@ profile=default
 cargo build --workspace --all-targets --locked
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo nextest run --workspace --locked --profile "$profile" "$@"
+scripts/test-chart.sh target/debug/switchyard-gateway
