@@ -81,11 +81,46 @@ pub struct DiscoveryConfig {
     /// applied). A name that did not resolve (a pod not created yet) or that now points
     /// elsewhere (a restarted pod) is picked up without a reload.
     pub resolve_interval_ms: u64,
+    /// Engines found through a Service's EndpointSlices (read at start; changing this
+    /// section needs a restart).
+    pub kubernetes: Option<KubernetesDiscovery>,
 }
 
 impl Default for DiscoveryConfig {
     fn default() -> Self {
-        DiscoveryConfig { static_backends: Vec::new(), resolve_interval_ms: 5000 }
+        DiscoveryConfig { static_backends: Vec::new(), resolve_interval_ms: 5000, kubernetes: None }
+    }
+}
+
+/// `discovery.kubernetes`: watch the EndpointSlices of a Service (or of a label selector).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesDiscovery {
+    /// Namespace of the EndpointSlices.
+    pub namespace: String,
+    /// The Service whose slices are watched (label `kubernetes.io/service-name`).
+    #[serde(default)]
+    pub service: Option<String>,
+    /// Or any label selector over EndpointSlices.
+    #[serde(default)]
+    pub label_selector: Option<String>,
+    /// The named port of the slices to send to (the sidecar's, e.g. `shim`); empty: the
+    /// slice's only port.
+    #[serde(default)]
+    pub port_name: String,
+    /// The API server (default: in-cluster service account, else the kubeconfig).
+    #[serde(default)]
+    pub api_server: Option<String>,
+}
+
+impl KubernetesDiscovery {
+    /// The label selector over EndpointSlices.
+    pub fn selector(&self) -> String {
+        match (&self.service, &self.label_selector) {
+            (Some(s), _) => format!("kubernetes.io/service-name={s}"),
+            (None, Some(l)) => l.clone(),
+            (None, None) => String::new(),
+        }
     }
 }
 
@@ -319,6 +354,23 @@ impl GatewayConfig {
                         format!("{models:?}"),
                         "must list non-empty model names",
                     );
+                }
+            }
+        }
+        if let Some(k) = &self.discovery.kubernetes {
+            if k.namespace.is_empty() {
+                bad("discovery.kubernetes.namespace".into(), String::new(), "must name a namespace");
+            }
+            if k.service.is_some() == k.label_selector.is_some() {
+                bad(
+                    "discovery.kubernetes.service".into(),
+                    format!("{:?} / {:?}", k.service, k.label_selector),
+                    "give exactly one of service and label_selector",
+                );
+            }
+            if let Some(url) = &k.api_server {
+                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                    bad("discovery.kubernetes.api_server".into(), url.clone(), "must be an http(s) URL");
                 }
             }
         }

@@ -14,6 +14,7 @@ pub mod admin;
 pub mod cluster;
 pub mod config;
 pub mod error;
+pub mod k8s;
 pub mod metrics;
 pub mod policy;
 pub mod prefix;
@@ -59,6 +60,9 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     server.add_service(proxy);
     server.add_service(admin);
     server.add_service(background_service("scraper", scrape::Scraper::new(state.clone())));
+    if let Some(k) = state.active.load().config.discovery.kubernetes.clone() {
+        server.add_service(background_service("kubernetes-discovery", k8s::K8sDiscovery::new(state.clone(), k)));
+    }
     server.add_service(background_service("config-reloader", reload::Reloader::new(state, config_path)));
     tracing::info!(%listen, %admin_listen, threads, "switchyard-gateway starting");
     server.run(RunArgs::default());

@@ -44,6 +44,8 @@ pub struct GatewayState {
     pub access_log: AccessLog,
     /// What the gateway sent where: the prefix index of `prefix_affinity` and `cost`.
     pub prefix: PrefixTracker,
+    /// Backend URLs found by discovery (beside the config's static ones).
+    pub discovered: ArcSwap<Vec<String>>,
 }
 
 /// Resolve a `host:port` with the system resolver (blocking).
@@ -51,23 +53,32 @@ pub fn system_resolve(authority: &str) -> Option<SocketAddr> {
     authority.to_socket_addrs().ok().and_then(|mut a| a.next())
 }
 
-/// The static backends of `cfg`, names resolved by `resolve` (DNS happens when a config is
-/// applied and every `discovery.resolve_interval_ms`, never per request).
-pub fn backend_specs_with(cfg: &GatewayConfig, resolve: &dyn Fn(&str) -> Option<SocketAddr>) -> Vec<BackendSpec> {
-    cfg.discovery
-        .static_backends
+/// The static backends of `cfg` then the `discovered` ones (URLs from Kubernetes), names
+/// resolved by `resolve` (DNS happens when a config is applied and every
+/// `discovery.resolve_interval_ms`, never per request).
+pub fn backend_specs_with(
+    cfg: &GatewayConfig,
+    discovered: &[String],
+    resolve: &dyn Fn(&str) -> Option<SocketAddr>,
+) -> Vec<BackendSpec> {
+    let listed = cfg.discovery.static_backends.iter().map(|b| (b.url.clone(), b.models.clone()));
+    let found = discovered
         .iter()
-        .map(|b| {
-            let authority = parse_backend_url(&b.url).expect("validated").authority;
+        .filter(|u| !cfg.discovery.static_backends.iter().any(|b| &b.url == *u))
+        .map(|u| (u.clone(), None));
+    listed
+        .chain(found)
+        .filter_map(|(url, models)| {
+            let authority = parse_backend_url(&url).ok()?.authority;
             let addr = resolve(&authority);
-            BackendSpec { url: b.url.clone(), authority, addr, models: b.models.clone() }
+            Some(BackendSpec { url, authority, addr, models })
         })
         .collect()
 }
 
 /// [`backend_specs_with`] the system resolver, warning about names that do not resolve.
-pub fn backend_specs(cfg: &GatewayConfig) -> Vec<BackendSpec> {
-    let specs = backend_specs_with(cfg, &system_resolve);
+pub fn backend_specs(cfg: &GatewayConfig, discovered: &[String]) -> Vec<BackendSpec> {
+    let specs = backend_specs_with(cfg, discovered, &system_resolve);
     for s in specs.iter().filter(|s| s.addr.is_none()) {
         tracing::warn!(url = %s.url, "backend address does not resolve; it stays down until it does");
     }
@@ -77,7 +88,7 @@ pub fn backend_specs(cfg: &GatewayConfig) -> Vec<BackendSpec> {
 impl GatewayState {
     /// State for a validated config.
     pub fn new(config: GatewayConfig, metrics: GatewayMetrics) -> Arc<Self> {
-        let cluster = Arc::new(ClusterView::rebuild(&ClusterView::default(), &backend_specs(&config)));
+        let cluster = Arc::new(ClusterView::rebuild(&ClusterView::default(), &backend_specs(&config, &[])));
         let policy = config.policy.build();
         let prefix = PrefixTracker::new(&config.prefix_index);
         Arc::new(GatewayState {
@@ -87,7 +98,16 @@ impl GatewayState {
             metrics,
             draining: AtomicBool::new(false),
             access_log: AccessLog::stdout(),
+            discovered: ArcSwap::from_pointee(Vec::new()),
         })
+    }
+
+    /// Replace the backends found by discovery (Kubernetes EndpointSlices) and rebuild the
+    /// cluster view; backends that stay keep their state, and requests already streaming
+    /// from one that left finish on their own connections.
+    pub fn set_discovered(&self, urls: Vec<String>) {
+        self.discovered.store(Arc::new(urls));
+        self.re_resolve(&system_resolve);
     }
 
     /// Resolve the active config's backend names again; when an address changed (a name
@@ -95,7 +115,8 @@ impl GatewayState {
     /// config — backends whose address did not change keep their state. True when rebuilt.
     pub fn re_resolve(&self, resolve: &dyn Fn(&str) -> Option<SocketAddr>) -> bool {
         let old = self.active.load_full();
-        let specs = backend_specs_with(&old.config, resolve);
+        let discovered = self.discovered.load_full();
+        let specs = backend_specs_with(&old.config, &discovered, resolve);
         let same = specs.len() == old.cluster.backends.len()
             && specs.iter().zip(old.cluster.backends.iter()).all(|(s, b)| s.url == b.url && s.addr == b.addr);
         if same {
@@ -124,7 +145,7 @@ impl GatewayState {
         if old.config.listen != config.listen || old.config.admin_listen != config.admin_listen {
             tracing::warn!("listen/admin_listen changes take effect after a restart");
         }
-        let cluster = Arc::new(ClusterView::rebuild(&old.cluster, &backend_specs(&config)));
+        let cluster = Arc::new(ClusterView::rebuild(&old.cluster, &backend_specs(&config, &self.discovered.load())));
         self.prefix.reconfigure(&config.prefix_index);
         for gone in old.cluster.backends.iter().filter(|b| !cluster.backends.iter().any(|n| n.key == b.key)) {
             self.prefix.remove(gone.key);

@@ -95,9 +95,12 @@ def check_scenario(name, values, release, objs, gateway_bin):
         r = subprocess.run([gateway_bin, "--config", f.name, "--validate"], capture_output=True, text=True)
         check(r.returncode == 0, f"{tag} switchyard-gateway --validate rejects the rendered config: {r.stdout}{r.stderr}")
         cfg = yaml.safe_load(text)
-        urls = [b["url"] for b in cfg["discovery"]["static"]]
-        check(urls and urls[0] == f"http://sy-switchyard-engine-0.sy-switchyard-engine.{NS}.svc:8001",
-              f"{tag} engines are listed by StatefulSet DNS name: {urls[:1]}")
+        k8s = cfg["discovery"].get("kubernetes", {})
+        check(k8s == {"namespace": NS, "service": "sy-switchyard-engine", "port_name": "shim"},
+              f"{tag} engines are discovered through the engine Service's EndpointSlices: {cfg['discovery']}")
+        svc = next(o for o in by_kind(objs, "Service") if o["metadata"]["name"] == "sy-switchyard-engine")
+        check(not svc["spec"].get("publishNotReadyAddresses") and any(p["name"] == "shim" for p in svc["spec"]["ports"]),
+              f"{tag} the engine Service publishes ready pods only, on the port named shim")
         check(cfg["scrape"]["source"] == "load", f"{tag} the gateway reads the sidecars' /load")
         dep = by_kind(objs, "Deployment")[0]
         checksum = dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"]

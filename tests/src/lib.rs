@@ -4,6 +4,7 @@
 //! the machine.
 
 pub mod client;
+pub mod fake_kube;
 pub mod procs;
 
 pub use client::*;

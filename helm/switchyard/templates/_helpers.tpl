@@ -43,22 +43,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{/*
-The gateway's config file. Engines are the StatefulSet's pods 0..maxReplicas-1 through the
-headless Service (stable DNS names); their sidecars serve /load. Names of pods that do not
-exist yet (scaled in, or scaling from zero) do not resolve: those backends stay down, and the
-gateway resolves them again every discovery.resolve_interval_ms.
+The gateway's config file. Engines are found through the EndpointSlices of the engines'
+Service (the gateway's Role allows get/list/watch): ready pods take requests, terminating
+ones finish what they serve and get nothing new; the sidecars' /load carries their load.
 */}}
 {{- define "switchyard.gatewayConfig" -}}
-{{- $engine := include "switchyard.engine" . -}}
 {{- $cfg := deepCopy .Values.gateway.config -}}
-{{- $backends := list -}}
-{{- $n := int .Values.engine.maxReplicas -}}
-{{- if .Values.keda.enabled -}}{{- $n = max $n (int .Values.keda.maxReplicaCount) | int -}}{{- end -}}
-{{- range $i := until $n -}}
-{{- $backends = append $backends (dict "url" (printf "http://%s-%d.%s.%s.svc:%d" $engine $i $engine $.Release.Namespace (int $.Values.engine.shim.port))) -}}
-{{- end -}}
 {{- $_ := set $cfg "listen" (printf "0.0.0.0:%d" (int .Values.gateway.port)) -}}
 {{- $_ := set $cfg "admin_listen" (printf "0.0.0.0:%d" (int .Values.gateway.adminPort)) -}}
-{{- $_ := set $cfg "discovery" (dict "static" $backends "resolve_interval_ms" 2000) -}}
+{{- $k8s := dict "namespace" .Release.Namespace "service" (include "switchyard.engine" .) "port_name" "shim" -}}
+{{- $_ := set $cfg "discovery" (dict "kubernetes" $k8s) -}}
 {{- toYaml $cfg -}}
 {{- end -}}

@@ -1,0 +1,86 @@
+//! The gateway's Kubernetes discovery against a fake API server (real HTTP, the real `kube`
+//! client): the first list routes to ready endpoints only; watch events add an endpoint that
+//! becomes ready and take out one that starts terminating — while a stream it already serves
+//! finishes; bookmarks are harmless; a watch that gets 410 Gone leads to a fresh list.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use switchyard_testkit::fake_kube::FakeKube;
+use switchyard_testkit::*;
+
+fn urls(b: &serde_json::Value) -> Vec<String> {
+    let mut v: Vec<String> =
+        b["backends"].as_array().unwrap().iter().map(|x| x["url"].as_str().unwrap().to_string()).collect();
+    v.sort();
+    v
+}
+
+async fn wait_backends(g: &GatewayProc, want: &[String]) {
+    let start = Instant::now();
+    let mut want = want.to_vec();
+    want.sort();
+    loop {
+        let b = backends(g).await;
+        if urls(&b) == want {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "backends {:?}, want {want:?}\n{}", urls(&b), g.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpointslices_drive_the_backend_set() {
+    let kube = FakeKube::start().await;
+    let (e1, e2) = (EngineProc::start(&["--backend", "sim"]), EngineProc::start(&["--backend", "sim"]));
+    let (p1, p2) = (e1.addr.port(), e2.addr.port());
+    let (u1, u2) = (format!("http://127.0.0.1:{p1}"), format!("http://127.0.0.1:{p2}"));
+    // Engine 1 ready, engine 2 not yet.
+    kube.apply(FakeKube::slice("engines-a", p1, &[("127.0.0.1", true, false)]));
+    kube.apply(FakeKube::slice("engines-b", p2, &[("127.0.0.1", false, false)]));
+    let api = kube.url.clone();
+    let g = GatewayProc::start(move |l, a| {
+        format!(
+            "listen: {l}\nadmin_listen: {a}\nthreads: 2\ndiscovery:\n  kubernetes: {{ namespace: serving, service: engines, \
+             port_name: shim, api_server: \"{api}\" }}\nscrape: {{ interval_ms: 50, timeout_ms: 500, stale_after_ms: 1000 }}\n\
+             policy: {{ type: least_load }}\n"
+        )
+    });
+    wait_backends(&g, std::slice::from_ref(&u1)).await;
+    wait_scraped(&g, 1).await;
+    // A long stream, on engine 1 (the only one).
+    let body = json!({"prompt": "long", "max_tokens": 300, "ignore_eos": true, "stream": true});
+    let mut open = post(g.addr, "/v1/completions", &body).await;
+    assert_eq!(open.status, 200);
+    open.next_event().await.expect("first chunk");
+
+    // Engine 2 becomes ready: both take requests.
+    kube.apply(FakeKube::slice("engines-b", p2, &[("127.0.0.1", true, false)]));
+    wait_backends(&g, &[u1.clone(), u2.clone()]).await;
+    wait_scraped(&g, 2).await;
+
+    // Engine 1 starts terminating: no new requests, its open stream finishes.
+    kube.apply(FakeKube::slice("engines-a", p1, &[("127.0.0.1", false, true)]));
+    wait_backends(&g, std::slice::from_ref(&u2)).await;
+    for i in 0..4 {
+        let r = post(g.addr, "/v1/completions", &json!({"prompt": format!("q{i}"), "max_tokens": 2})).await;
+        assert_eq!(r.status, 200);
+    }
+    let b = backends(&g).await;
+    assert_eq!(b["backends"][0]["routed"], 4, "all new requests went to engine 2: {b}");
+    let rest = open.events().await;
+    assert!(rest.iter().any(|(_, e)| e == "[DONE]"), "the terminating engine finished its stream");
+
+    // The server expires every version and changes state behind the watch: engine 1 is back,
+    // engine 2 gone. Only a relist can show that.
+    let (lists_before, _) = kube.calls();
+    kube.expire_and_replace(vec![FakeKube::slice("engines-a", p1, &[("127.0.0.1", true, false)])]);
+    wait_backends(&g, std::slice::from_ref(&u1)).await;
+    let (lists, watches) = kube.calls();
+    assert!(lists > lists_before, "410 Gone led to a fresh list ({lists_before} → {lists})");
+    assert!(watches >= 3, "watched again after each stream ended ({watches})");
+    wait_scraped(&g, 1).await;
+    let r = post(g.addr, "/v1/completions", &json!({"prompt": "after", "max_tokens": 2})).await;
+    assert_eq!(r.status, 200);
+}
