@@ -84,12 +84,32 @@ pub struct DiscoveryConfig {
     /// Engines found through a Service's EndpointSlices (read at start; changing this
     /// section needs a restart).
     pub kubernetes: Option<KubernetesDiscovery>,
+    /// Engines found by resolving a name to all its addresses (a headless Service; read at
+    /// start).
+    pub dns: Option<DnsDiscovery>,
 }
 
 impl Default for DiscoveryConfig {
     fn default() -> Self {
-        DiscoveryConfig { static_backends: Vec::new(), resolve_interval_ms: 5000, kubernetes: None }
+        DiscoveryConfig { static_backends: Vec::new(), resolve_interval_ms: 5000, kubernetes: None, dns: None }
     }
+}
+
+/// `discovery.dns`: every address of `name` is an engine on `port`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DnsDiscovery {
+    /// The name to resolve (e.g. a headless Service's `engines.serving.svc.cluster.local`).
+    pub name: String,
+    /// The engines' (or sidecars') port.
+    pub port: u16,
+    /// How often the name is resolved.
+    #[serde(default = "default_dns_interval")]
+    pub interval_ms: u64,
+}
+
+fn default_dns_interval() -> u64 {
+    5000
 }
 
 /// `discovery.kubernetes`: watch the EndpointSlices of a Service (or of a label selector).
@@ -374,6 +394,20 @@ impl GatewayConfig {
                 }
             }
         }
+        if let Some(d) = &self.discovery.dns {
+            if d.name.is_empty() || d.name.contains(['/', ':', ' ']) {
+                bad("discovery.dns.name".into(), d.name.clone(), "must be a host name");
+            }
+            if d.port == 0 {
+                bad("discovery.dns.port".into(), "0".into(), "must be a port (1-65535)");
+            }
+            if !(100..=3_600_000).contains(&d.interval_ms) {
+                bad("discovery.dns.interval_ms".into(), d.interval_ms.to_string(), "must be in 100..=3600000");
+            }
+            if self.discovery.kubernetes.is_some() {
+                bad("discovery.dns".into(), d.name.clone(), "use either discovery.dns or discovery.kubernetes");
+            }
+        }
         let s = &self.scrape;
         if !(10..=60_000).contains(&s.interval_ms) {
             bad("scrape.interval_ms".into(), s.interval_ms.to_string(), "must be in 10..=60000");
@@ -529,6 +563,26 @@ policy: { type: least_load, weights: { waiting: -1 } }
             "scrape.interval_ms",
             "retries.max_attempts",
             "policy.weights.waiting",
+        ] {
+            assert!(err.contains(needle), "missing {needle:?} in:\n{err}");
+        }
+        let err = GatewayConfig::parse(
+            r#"
+discovery:
+  dns: { name: "a b", port: 0, interval_ms: 1 }
+  kubernetes: { namespace: "", service: x, label_selector: y, api_server: "ftp://k" }
+"#,
+        )
+        .unwrap_err()
+        .to_string();
+        for needle in [
+            "discovery.dns.name",
+            "discovery.dns.port",
+            "discovery.dns.interval_ms",
+            "use either discovery.dns or discovery.kubernetes",
+            "discovery.kubernetes.namespace",
+            "give exactly one of service and label_selector",
+            "discovery.kubernetes.api_server",
         ] {
             assert!(err.contains(needle), "missing {needle:?} in:\n{err}");
         }

@@ -13,6 +13,7 @@ pub mod access_log;
 pub mod admin;
 pub mod cluster;
 pub mod config;
+pub mod dns;
 pub mod error;
 pub mod k8s;
 pub mod metrics;
@@ -60,6 +61,9 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     server.add_service(proxy);
     server.add_service(admin);
     server.add_service(background_service("scraper", scrape::Scraper::new(state.clone())));
+    if let Some(d) = state.active.load().config.discovery.dns.clone() {
+        server.add_service(background_service("dns-discovery", dns::DnsService::new(state.clone(), d)));
+    }
     if let Some(k) = state.active.load().config.discovery.kubernetes.clone() {
         server.add_service(background_service("kubernetes-discovery", k8s::K8sDiscovery::new(state.clone(), k)));
     }

@@ -84,3 +84,28 @@ async fn endpointslices_drive_the_backend_set() {
     let r = post(g.addr, "/v1/completions", &json!({"prompt": "after", "max_tokens": 2})).await;
     assert_eq!(r.status, 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dns_name_resolves_to_the_engines() {
+    let e = EngineProc::start(&["--backend", "sim", "--sim-profile", "instant"]);
+    let port = e.addr.port();
+    let g = GatewayProc::start(move |l, a| {
+        format!(
+            "listen: {l}\nadmin_listen: {a}\nthreads: 2\ndiscovery:\n  dns: {{ name: localhost, port: {port}, interval_ms: 200 }}\n\
+             scrape: {{ interval_ms: 50, timeout_ms: 500, stale_after_ms: 1000 }}\n"
+        )
+    });
+    // `localhost` resolves to 127.0.0.1 (and ::1 where the hosts file says so).
+    let start = Instant::now();
+    loop {
+        let b = backends(&g).await;
+        if urls(&b).contains(&format!("http://127.0.0.1:{port}")) {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no backend from DNS: {b}\n{}", g.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    wait_scraped(&g, 1).await;
+    let r = post(g.addr, "/v1/completions", &json!({"prompt": "dns", "max_tokens": 2})).await;
+    assert_eq!(r.status, 200);
+}
