@@ -43,6 +43,29 @@ pub fn scratch_dir(tag: &str) -> PathBuf {
     dir
 }
 
+/// Start `cmd` (quiet logs, stdout piped) and wait for its `listening on http://ADDR` line;
+/// stdout keeps being drained so the process never blocks on it.
+fn spawn_listening(mut cmd: Command, what: &str) -> (Child, SocketAddr) {
+    let mut child = cmd
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {what}: {e}"));
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = BufReader::new(stdout).lines();
+        if let Some(Ok(line)) = lines.next() {
+            let _ = tx.send(line);
+        }
+        for _ in lines {}
+    });
+    let line = rx.recv_timeout(Duration::from_secs(20)).unwrap_or_else(|_| panic!("{what} did not start within 20 s"));
+    let addr = line.trim().strip_prefix("listening on http://").expect("listening line").parse().unwrap();
+    (child, addr)
+}
+
 /// A `switchyard-engine` process.
 pub struct EngineProc {
     child: Child,
@@ -53,25 +76,9 @@ pub struct EngineProc {
 impl EngineProc {
     /// Start with `args` (plus `--host 127.0.0.1 --port 0`); waits for its listening line.
     pub fn start(args: &[&str]) -> EngineProc {
-        let mut child = Command::new(workspace_bin("switchyard-engine"))
-            .args(["--host", "127.0.0.1", "--port", "0"])
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn switchyard-engine");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(line)) = lines.next() {
-                let _ = tx.send(line);
-            }
-            for _ in lines {} // keep draining so the engine never blocks on stdout
-        });
-        let line = rx.recv_timeout(Duration::from_secs(20)).expect("engine did not start within 20 s");
-        let addr = line.trim().strip_prefix("listening on http://").expect("listening line").parse().unwrap();
+        let mut cmd = Command::new(workspace_bin("switchyard-engine"));
+        cmd.args(["--host", "127.0.0.1", "--port", "0"]).args(args);
+        let (child, addr) = spawn_listening(cmd, "switchyard-engine");
         EngineProc { child, addr }
     }
 
@@ -170,25 +177,9 @@ impl ShimProc {
     /// Start with `--engine-url engine_url` plus `args`, on a free loopback port; waits for its
     /// listening line.
     pub fn start(engine_url: &str, args: &[&str]) -> ShimProc {
-        let mut child = Command::new(workspace_bin("switchyard-shim"))
-            .args(["--listen", "127.0.0.1:0", "--engine-url", engine_url])
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn switchyard-shim");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(line)) = lines.next() {
-                let _ = tx.send(line);
-            }
-            for _ in lines {}
-        });
-        let line = rx.recv_timeout(Duration::from_secs(20)).expect("shim did not start within 20 s");
-        let addr = line.trim().strip_prefix("listening on http://").expect("listening line").parse().unwrap();
+        let mut cmd = Command::new(workspace_bin("switchyard-shim"));
+        cmd.args(["--listen", "127.0.0.1:0", "--engine-url", engine_url]).args(args);
+        let (child, addr) = spawn_listening(cmd, "switchyard-shim");
         ShimProc { child, addr }
     }
 
