@@ -45,6 +45,8 @@ pub struct GatewayConfig {
     pub timeouts: TimeoutsConfig,
     /// Retries.
     pub retries: RetriesConfig,
+    /// Holding requests while no engine can take them.
+    pub admission: AdmissionConfig,
     /// Passive health checking (ejection).
     pub health: HealthConfig,
     /// Graceful shutdown.
@@ -64,6 +66,7 @@ impl Default for GatewayConfig {
             limits: LimitsConfig::default(),
             timeouts: TimeoutsConfig::default(),
             retries: RetriesConfig::default(),
+            admission: AdmissionConfig::default(),
             health: HealthConfig::default(),
             shutdown: ShutdownConfig::default(),
         }
@@ -254,6 +257,25 @@ impl Default for TimeoutsConfig {
     }
 }
 
+/// The admission queue: while no engine can take a request for its model — none up yet
+/// (scaling from zero, all restarting) — the request waits, up to `max_wait_ms`, in a
+/// queue of at most `max_queue` requests; past either limit it gets 503 with `Retry-After`.
+/// `max_wait_ms: 0` turns it off (503 at once).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdmissionConfig {
+    /// Requests held at most.
+    pub max_queue: usize,
+    /// Longest wait of one request.
+    pub max_wait_ms: u64,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        AdmissionConfig { max_queue: 1000, max_wait_ms: 0 }
+    }
+}
+
 /// Retries of requests that never reached an engine.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -407,6 +429,13 @@ impl GatewayConfig {
             if self.discovery.kubernetes.is_some() {
                 bad("discovery.dns".into(), d.name.clone(), "use either discovery.dns or discovery.kubernetes");
             }
+        }
+        let a = &self.admission;
+        if a.max_wait_ms > 0 && a.max_queue == 0 {
+            bad("admission.max_queue".into(), "0".into(), "must be >= 1 when admission.max_wait_ms > 0");
+        }
+        if a.max_wait_ms > 3_600_000 {
+            bad("admission.max_wait_ms".into(), a.max_wait_ms.to_string(), "must be at most 3600000 (one hour)");
         }
         let s = &self.scrape;
         if !(10..=60_000).contains(&s.interval_ms) {
@@ -568,6 +597,7 @@ policy: { type: least_load, weights: { waiting: -1 } }
         }
         let err = GatewayConfig::parse(
             r#"
+admission: { max_queue: 0, max_wait_ms: 5 }
 discovery:
   dns: { name: "a b", port: 0, interval_ms: 1 }
   kubernetes: { namespace: "", service: x, label_selector: y, api_server: "ftp://k" }
@@ -583,6 +613,7 @@ discovery:
             "discovery.kubernetes.namespace",
             "give exactly one of service and label_selector",
             "discovery.kubernetes.api_server",
+            "admission.max_queue",
         ] {
             assert!(err.contains(needle), "missing {needle:?} in:\n{err}");
         }

@@ -39,6 +39,10 @@ pub struct GatewayMetrics {
     pub prefix_match_ratio: Histogram,
     /// Memory charged by the prefix index.
     pub prefix_index_bytes: IntGauge,
+    /// Requests waiting in the admission queue (KEDA scales engines from zero on it).
+    pub queue_depth: IntGauge,
+    /// Time requests spent in the admission queue.
+    pub queue_wait: Histogram,
     inflight: IntGaugeVec,
     waiting: GaugeVec,
     kv_usage: GaugeVec,
@@ -86,6 +90,14 @@ impl GatewayMetrics {
                 "switchyard_prefix_index_bytes",
                 "Memory charged by the gateway's prefix index.",
             )?,
+            queue_depth: IntGauge::new(
+                "switchyard_queue_depth",
+                "Requests held in the admission queue while no engine can take them.",
+            )?,
+            queue_wait: Histogram::with_opts(
+                HistogramOpts::new("switchyard_queue_wait_seconds", "Time spent in the admission queue.")
+                    .buckets(vec![0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]),
+            )?,
             inflight: IntGaugeVec::new(
                 Opts::new("switchyard_backend_inflight", "Requests in flight per backend."),
                 &["backend"],
@@ -108,6 +120,8 @@ impl GatewayMetrics {
         m.registry.register(Box::new(m.retries.clone()))?;
         m.registry.register(Box::new(m.upstream_errors.clone()))?;
         m.registry.register(Box::new(m.config_reloads.clone()))?;
+        m.registry.register(Box::new(m.queue_depth.clone()))?;
+        m.registry.register(Box::new(m.queue_wait.clone()))?;
         m.registry.register(Box::new(m.prefix_match_ratio.clone()))?;
         m.registry.register(Box::new(m.prefix_index_bytes.clone()))?;
         m.registry.register(Box::new(m.inflight.clone()))?;

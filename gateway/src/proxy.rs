@@ -234,6 +234,53 @@ impl ProxyApp {
         respond(s, e.status(), "application/json", Bytes::from(e.body()), retry_after).await && body_done
     }
 
+    /// The admission queue ([`crate::config::AdmissionConfig`]): returns at once when an
+    /// engine is up for `model` (or the model is unknown while others are known: a 404 is
+    /// due), else waits for one until the deadline. Errors are 503 with `Retry-After`.
+    async fn admit(&self, model: &str, started: Instant) -> Result<(), ProxyError> {
+        let ready = || {
+            let active = self.state.active.load();
+            let cfg = &active.config;
+            let (candidates, known) = active.cluster.candidates(
+                model,
+                &[],
+                Instant::now(),
+                cfg.scrape.down_after_failures,
+                cfg.scrape.stale_after(),
+            );
+            !candidates.is_empty() || (!known && !active.cluster.models().is_empty())
+        };
+        let adm = self.state.active.load().config.admission.clone();
+        if adm.max_wait_ms == 0 || ready() {
+            return Ok(());
+        }
+        let metrics = &self.state.metrics;
+        if metrics.queue_depth.get() as usize >= adm.max_queue {
+            return Err(ProxyError::NoBackend(model.to_string()));
+        }
+        // Counted out on every path, the handler dropped mid-wait included.
+        struct Queued<'a>(&'a crate::metrics::GatewayMetrics, Instant);
+        impl Drop for Queued<'_> {
+            fn drop(&mut self) {
+                self.0.queue_depth.dec();
+                self.0.queue_wait.observe(self.1.elapsed().as_secs_f64());
+            }
+        }
+        metrics.queue_depth.inc();
+        let _queued = Queued(metrics, started);
+        let deadline = started + Duration::from_millis(adm.max_wait_ms);
+        loop {
+            // Scrapes (every scrape.interval_ms) are what make an engine routable.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if ready() {
+                break Ok(());
+            }
+            if Instant::now() >= deadline {
+                break Err(ProxyError::NoBackend(model.to_string()));
+            }
+        }
+    }
+
     async fn proxy(&self, s: &mut ServerSession, path: &str, started: Instant, log: &mut Log) -> bool {
         let active = self.state.active.load_full();
         let cfg = &active.config;
@@ -255,6 +302,12 @@ impl ProxyApp {
             },
         };
         log.model = Some(model.clone());
+        // Hold the request while no engine can take it; then route on what is current.
+        if let Err(e) = self.admit(&model, started).await {
+            return self.fail(s, e, log).await;
+        }
+        let active = self.state.active.load_full();
+        let cfg = &active.config;
 
         // What the prefix-aware policies need: block hashes of the canonical prompt, and
         // the session header for `session`.

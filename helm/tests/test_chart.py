@@ -102,6 +102,8 @@ def check_scenario(name, values, release, objs, gateway_bin):
         check(not svc["spec"].get("publishNotReadyAddresses") and any(p["name"] == "shim" for p in svc["spec"]["ports"]),
               f"{tag} the engine Service publishes ready pods only, on the port named shim")
         check(cfg["scrape"]["source"] == "load", f"{tag} the gateway reads the sidecars' /load")
+        check(cfg.get("admission", {}).get("max_wait_ms", 0) > 0,
+              f"{tag} the admission queue holds requests while engines scale up (KEDA's from-zero signal)")
         dep = by_kind(objs, "Deployment")[0]
         checksum = dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
         check(checksum == hashlib.sha256(text.rstrip("\n").encode()).hexdigest()

@@ -1,0 +1,90 @@
+//! The admission queue: with no engine up, a request waits (counted in
+//! `switchyard_queue_depth`) and goes through once an engine comes up; past `max_wait_ms` it
+//! gets 503 with `Retry-After`; past `max_queue` it gets 503 at once.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use switchyard_testkit::*;
+
+/// A gateway in front of one engine that is not running (scaled to zero), once its scrapes
+/// have marked it down.
+async fn gateway(port: u16, max_queue: usize, max_wait_ms: u64) -> GatewayProc {
+    let g = GatewayProc::start(move |l, a| {
+        format!(
+            "listen: {l}\nadmin_listen: {a}\nthreads: 2\ndiscovery:\n  static:\n    - url: http://127.0.0.1:{port}\n      \
+             models: [m]\nscrape: {{ interval_ms: 50, timeout_ms: 300, stale_after_ms: 1000 }}\n\
+             admission: {{ max_queue: {max_queue}, max_wait_ms: {max_wait_ms} }}\n"
+        )
+    });
+    let start = Instant::now();
+    while backends(&g).await["backends"][0]["state"] != "down" {
+        assert!(start.elapsed() < Duration::from_secs(5), "the absent engine was never marked down");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    g
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_an_engine_to_come_up() {
+    let port = free_port();
+    let g = gateway(port, 10, 20_000).await;
+    let body = json!({"model": "m", "prompt": "hello", "max_tokens": 3});
+    let addr = g.addr;
+    let waiting = tokio::spawn(async move {
+        let t = Instant::now();
+        let r = post(addr, "/v1/completions", &body).await;
+        (r.status, t.elapsed())
+    });
+    // Held: the queue gauge shows it.
+    let start = Instant::now();
+    loop {
+        if metric(&scrape(g.admin).await, "switchyard_queue_depth") == 1.0 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "the request was not queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The engine starts (scaling up); the held request goes through.
+    let mut engine = Command::new(workspace_bin("switchyard-engine"))
+        .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--backend", "sim", "--sim-profile", "instant"])
+        .args(["--served-model-name", "m"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (status, waited) = waiting.await.unwrap();
+    let _ = engine.kill();
+    let _ = engine.wait();
+    assert_eq!(status, 200);
+    assert!(waited >= Duration::from_millis(300), "it waited for the engine ({waited:?})");
+    let m = scrape(g.admin).await;
+    assert_eq!(metric(&m, "switchyard_queue_depth"), 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_deadline_or_the_bound_it_is_503_with_retry_after() {
+    let port = free_port();
+    let g = gateway(port, 1, 600).await;
+    let body = json!({"model": "m", "prompt": "x", "max_tokens": 1});
+    let addr = g.addr;
+    let b = body.clone();
+    let first = tokio::spawn(async move {
+        let t = Instant::now();
+        let r = post(addr, "/v1/completions", &b).await;
+        (r.status, r.headers.get("retry-after").cloned(), t.elapsed(), r.json().await)
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // The queue holds one: a second request is refused at once.
+    let t = Instant::now();
+    let r = post(g.addr, "/v1/completions", &body).await;
+    assert_eq!(r.status, 503);
+    assert!(t.elapsed() < Duration::from_millis(400), "refused at once, not after the wait");
+    let (status, retry_after, waited, v) = first.await.unwrap();
+    assert_eq!(status, 503, "{v}");
+    assert!(retry_after.is_some(), "Retry-After on a 503");
+    assert!(waited >= Duration::from_millis(550), "it waited max_wait_ms first ({waited:?})");
+    assert!(v["error"]["message"].as_str().unwrap().contains("no backend available"), "{v}");
+    assert_eq!(metric(&scrape(g.admin).await, "switchyard_queue_depth"), 0.0);
+}
