@@ -258,9 +258,9 @@ impl Default for TimeoutsConfig {
 }
 
 /// The admission queue: while no engine can take a request for its model — none up yet
-/// (scaling from zero, all restarting) — the request waits, up to `max_wait_ms`, in a
-/// queue of at most `max_queue` requests; past either limit it gets 503 with `Retry-After`.
-/// `max_wait_ms: 0` turns it off (503 at once).
+/// (scaling from zero, all restarting), or every one saturated — the request waits, up to
+/// `max_wait_ms`, in a queue of at most `max_queue` requests; past either limit it gets 503
+/// with `Retry-After`. `max_wait_ms: 0` turns it off (503 at once, no saturation check).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdmissionConfig {
@@ -268,11 +268,25 @@ pub struct AdmissionConfig {
     pub max_queue: usize,
     /// Longest wait of one request.
     pub max_wait_ms: u64,
+    /// A backend whose scraped waiting queue is at least this is saturated (unset: never).
+    pub saturated_waiting: Option<f64>,
+    /// A backend whose scraped KV-cache usage is at least this is saturated (unset: never).
+    pub saturated_kv_usage: Option<f64>,
 }
 
 impl Default for AdmissionConfig {
     fn default() -> Self {
-        AdmissionConfig { max_queue: 1000, max_wait_ms: 0 }
+        AdmissionConfig { max_queue: 1000, max_wait_ms: 0, saturated_waiting: None, saturated_kv_usage: None }
+    }
+}
+
+impl AdmissionConfig {
+    /// Whether `signal` (a backend's fresh scrape) is past a saturation threshold. A backend
+    /// without a fresh signal is not: what is unknown is not held back.
+    pub fn saturated(&self, signal: Option<&crate::policy::SignalView>) -> bool {
+        let Some(s) = signal else { return false };
+        self.saturated_waiting.is_some_and(|t| s.waiting >= t)
+            || self.saturated_kv_usage.is_some_and(|t| s.kv_usage >= t)
     }
 }
 
@@ -434,6 +448,12 @@ impl GatewayConfig {
         if a.max_wait_ms > 0 && a.max_queue == 0 {
             bad("admission.max_queue".into(), "0".into(), "must be >= 1 when admission.max_wait_ms > 0");
         }
+        if a.saturated_waiting.is_some_and(|t| !(t >= 0.0 && t.is_finite())) {
+            bad("admission.saturated_waiting".into(), format!("{:?}", a.saturated_waiting), "must be >= 0");
+        }
+        if a.saturated_kv_usage.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {
+            bad("admission.saturated_kv_usage".into(), format!("{:?}", a.saturated_kv_usage), "must be in (0, 1]");
+        }
         if a.max_wait_ms > 3_600_000 {
             bad("admission.max_wait_ms".into(), a.max_wait_ms.to_string(), "must be at most 3600000 (one hour)");
         }
@@ -567,6 +587,18 @@ retries: { max_attempts: 3 }
     }
 
     #[test]
+    fn saturation_needs_a_fresh_signal_past_a_threshold() {
+        use crate::policy::SignalView;
+        let a = AdmissionConfig { saturated_waiting: Some(4.0), saturated_kv_usage: Some(0.9), ..Default::default() };
+        let s = |waiting, kv_usage| SignalView { waiting, running: 1.0, kv_usage };
+        assert!(!a.saturated(None), "unknown is not saturated");
+        assert!(!a.saturated(Some(&s(3.0, 0.5))));
+        assert!(a.saturated(Some(&s(4.0, 0.5))));
+        assert!(a.saturated(Some(&s(0.0, 0.95))));
+        assert!(!AdmissionConfig::default().saturated(Some(&s(1e9, 1.0))), "no thresholds, never saturated");
+    }
+
+    #[test]
     fn every_problem_is_reported_with_its_field() {
         let err = GatewayConfig::parse(
             r#"
@@ -597,7 +629,7 @@ policy: { type: least_load, weights: { waiting: -1 } }
         }
         let err = GatewayConfig::parse(
             r#"
-admission: { max_queue: 0, max_wait_ms: 5 }
+admission: { max_queue: 0, max_wait_ms: 5, saturated_kv_usage: 1.5 }
 discovery:
   dns: { name: "a b", port: 0, interval_ms: 1 }
   kubernetes: { namespace: "", service: x, label_selector: y, api_server: "ftp://k" }
@@ -614,6 +646,7 @@ discovery:
             "give exactly one of service and label_selector",
             "discovery.kubernetes.api_server",
             "admission.max_queue",
+            "admission.saturated_kv_usage",
         ] {
             assert!(err.contains(needle), "missing {needle:?} in:\n{err}");
         }

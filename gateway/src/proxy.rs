@@ -235,8 +235,9 @@ impl ProxyApp {
     }
 
     /// The admission queue ([`crate::config::AdmissionConfig`]): returns at once when an
-    /// engine is up for `model` (or the model is unknown while others are known: a 404 is
-    /// due), else waits for one until the deadline. Errors are 503 with `Retry-After`.
+    /// engine is up and not saturated for `model` (or the model is unknown while others are
+    /// known: a 404 is due), else waits for one until the deadline. Errors are 503 with
+    /// `Retry-After`. Waiters poll the cluster view (updated by every scrape) every 20 ms.
     async fn admit(&self, model: &str, started: Instant) -> Result<(), ProxyError> {
         let ready = || {
             let active = self.state.active.load();
@@ -248,7 +249,9 @@ impl ProxyApp {
                 cfg.scrape.down_after_failures,
                 cfg.scrape.stale_after(),
             );
-            !candidates.is_empty() || (!known && !active.cluster.models().is_empty())
+            let adm = &cfg.admission;
+            candidates.iter().any(|c| !adm.saturated(c.signal.as_ref()))
+                || (!known && !active.cluster.models().is_empty())
         };
         let adm = self.state.active.load().config.admission.clone();
         if adm.max_wait_ms == 0 || ready() {

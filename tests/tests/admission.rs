@@ -88,3 +88,45 @@ async fn past_the_deadline_or_the_bound_it_is_503_with_retry_after() {
     assert!(v["error"]["message"].as_str().unwrap().contains("no backend available"), "{v}");
     assert_eq!(metric(&scrape(g.admin).await, "switchyard_queue_depth"), 0.0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_wait_while_every_engine_is_saturated() {
+    // One engine that runs one request at a time: concurrent requests queue inside it.
+    let e = EngineProc::start(&["--backend", "sim", "--max-num-seqs", "1", "--served-model-name", "m"]);
+    let url = e.url();
+    let g = GatewayProc::start(move |l, a| {
+        format!(
+            "listen: {l}\nadmin_listen: {a}\nthreads: 2\ndiscovery:\n  static:\n    - url: {url}\n\
+             scrape: {{ interval_ms: 20, timeout_ms: 300, stale_after_ms: 1000 }}\n\
+             admission: {{ max_queue: 10, max_wait_ms: 20000, saturated_waiting: 2 }}\n"
+        )
+    });
+    wait_scraped(&g, 1).await;
+    // Four long requests: one runs, the others wait in the engine (waiting = 3 ≥ 2).
+    let long = json!({"model": "m", "prompt": "long", "max_tokens": 60, "ignore_eos": true});
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let (addr, b) = (g.addr, long.clone());
+        held.push(tokio::spawn(async move { post(addr, "/v1/completions", &b).await.status }));
+    }
+    let start = Instant::now();
+    while backends(&g).await["backends"][0]["signal"]["waiting"].as_f64().unwrap_or(0.0) < 2.0 {
+        assert!(start.elapsed() < Duration::from_secs(5), "the engine never queued");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The next request is held at the gateway until the engine's queue drains below 2.
+    let (addr, b) = (g.addr, json!({"model": "m", "prompt": "short", "max_tokens": 2}));
+    let queued = tokio::spawn(async move { post(addr, "/v1/completions", &b).await.status });
+    let mut seen_queued = false;
+    let start = Instant::now();
+    while !queued.is_finished() && start.elapsed() < Duration::from_secs(10) {
+        seen_queued |= metric(&scrape(g.admin).await, "switchyard_queue_depth") >= 1.0;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(seen_queued, "the request waited in the gateway's admission queue");
+    assert_eq!(queued.await.unwrap(), 200);
+    for h in held {
+        assert_eq!(h.await.unwrap(), 200);
+    }
+    assert_eq!(metric(&scrape(g.admin).await, "switchyard_queue_depth"), 0.0);
+}
