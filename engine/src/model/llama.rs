@@ -24,7 +24,7 @@ use rayon::prelude::*;
 use super::gguf::{GgmlType, GgufError, GgufFile};
 use super::quant::{dequantize_row, QuantError};
 use super::simd::{attend_rows, dot_row, dot_rows_tokens, AttnShape, Kernel, KvRows, QuantizedActs};
-use super::tp::{sum_parts, CommError, Communicator, TpDims, TpPlan};
+use super::tp::{add_parts, sum_parts, CommError, Communicator, TpDims, TpPlan};
 use crate::kv::BlockId;
 use crate::tokenizer::TokenId;
 
@@ -480,8 +480,9 @@ impl Llama {
     }
 
     /// The part of this model that rank `plan.rank` owns ([`super::tp`]): its heads' rows
-    /// of Q/K/V, its input columns of O (copied), its rows of gate/up, its input columns of
-    /// down (copied), its vocabulary rows of the LM head; embedding and norms whole.
+    /// of Q/K/V, its rows of gate/up and its vocabulary rows of the LM head (views, no
+    /// copy), its share of O's and down's column segments ([`RowParallel`]); embedding and
+    /// norms whole. (`LayerWeights::wo`/`w_down` stay whole: only their type is read.)
     pub fn shard(&self, plan: &TpPlan) -> Result<Llama, ModelError> {
         let hd = self.cfg.head_dim();
         let scaled = |r: &Range<usize>| r.start * hd..r.end * hd;
@@ -489,20 +490,15 @@ impl Llama {
         let layers = self
             .layers
             .iter()
-            .map(|l| {
-                Ok(LayerWeights {
-                    attn_norm: l.attn_norm.clone(),
-                    wq: l.wq.row_range(q.clone()),
-                    wk: l.wk.row_range(kv.clone()),
-                    wv: l.wv.row_range(kv.clone()),
-                    wo: l.wo.clone(),
-                    ffn_norm: l.ffn_norm.clone(),
-                    w_gate: l.w_gate.row_range(f.clone()),
-                    w_up: l.w_up.row_range(f.clone()),
-                    w_down: l.w_down.clone(),
-                })
+            .map(|l| LayerWeights {
+                wq: l.wq.row_range(q.clone()),
+                wk: l.wk.row_range(kv.clone()),
+                wv: l.wv.row_range(kv.clone()),
+                w_gate: l.w_gate.row_range(f.clone()),
+                w_up: l.w_up.row_range(f.clone()),
+                ..l.clone()
             })
-            .collect::<Result<Vec<_>, ModelError>>()?;
+            .collect();
         // This rank's columns of O and down are its share of the segments.
         let segments = self.row_parallel.first().map_or(1, |rp| rp.wo.len());
         if !segments.is_multiple_of(plan.size) {
@@ -846,11 +842,7 @@ fn row_parallel(
             Some((comm, rank)) => result = comm.all_reduce_sum(rank, &partials, out).map_err(ModelError::from),
             // The same order as one pass: ((p0 + p1) + p2) + …
             None if g0 == 0 => sum_parts(&partials, out),
-            None => {
-                for p in partials.chunks_exact(out.len().max(1)) {
-                    out.iter_mut().zip(p).for_each(|(a, b)| *a += b);
-                }
-            }
+            None => add_parts(&partials, out),
         }
     }
     scratch.partials = partials;

@@ -60,12 +60,18 @@ pub trait Communicator: Send + Sync {
 /// `out` = the sum of the consecutive partials in `parts` (each `out.len()` long), added
 /// one after another in order: `((p0 + p1) + p2) + …`.
 pub fn sum_parts(parts: &[f32], out: &mut [f32]) {
-    for (j, part) in parts.chunks_exact(out.len().max(1)).enumerate() {
-        if j == 0 {
-            out.copy_from_slice(part);
-        } else {
-            out.iter_mut().zip(part).for_each(|(a, b)| *a += b);
-        }
+    let n = out.len();
+    if let Some(first) = parts.get(..n) {
+        out.copy_from_slice(first);
+        add_parts(&parts[n..], out);
+    }
+}
+
+/// Add the consecutive partials in `parts` (each `out.len()` long) to `out`, one after
+/// another in order — [`sum_parts`] continued.
+pub fn add_parts(parts: &[f32], out: &mut [f32]) {
+    for part in parts.chunks_exact(out.len().max(1)) {
+        out.iter_mut().zip(part).for_each(|(a, b)| *a += b);
     }
 }
 
@@ -166,12 +172,10 @@ impl Communicator for ShmCommunicator {
             // Rank order, then part order, on every rank: the same bits everywhere.
             for (r, slot) in self.slots.iter().enumerate() {
                 let theirs = slot.lock().unwrap_or_else(|e| e.into_inner());
-                for (j, part) in theirs.chunks_exact(out.len().max(1)).enumerate() {
-                    if r == 0 && j == 0 {
-                        out.copy_from_slice(part);
-                    } else {
-                        out.iter_mut().zip(part).for_each(|(a, b)| *a += b);
-                    }
+                if r == 0 {
+                    sum_parts(&theirs, out);
+                } else {
+                    add_parts(&theirs, out);
                 }
             }
             self.barrier.wait()
