@@ -46,13 +46,7 @@ impl BackgroundService for DnsService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         loop {
             match tokio::net::lookup_host((self.cfg.name.as_str(), self.cfg.port)).await {
-                Ok(addrs) => {
-                    let urls = dns_urls(addrs.map(|a| a.ip()), self.cfg.port);
-                    if **self.state.discovered.load() != urls {
-                        tracing::info!(name = %self.cfg.name, backends = ?urls, "dns discovery: addresses changed");
-                        self.state.set_discovered(urls);
-                    }
-                }
+                Ok(addrs) => self.state.publish_discovered(dns_urls(addrs.map(|a| a.ip()), self.cfg.port), "dns").await,
                 Err(e) => {
                     tracing::warn!(name = %self.cfg.name, error = %e, "dns discovery: lookup failed; keeping the last set")
                 }

@@ -76,12 +76,9 @@ impl K8sDiscovery {
         kube::Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))
     }
 
-    fn publish(&self, slices: &BTreeMap<String, EndpointSlice>) {
+    async fn publish(&self, slices: &BTreeMap<String, EndpointSlice>) {
         let urls = ready_urls(slices.values(), &self.cfg.port_name);
-        if **self.state.discovered.load() != urls {
-            tracing::info!(backends = ?urls, "kubernetes discovery: endpoints changed");
-            self.state.set_discovered(urls);
-        }
+        self.state.publish_discovered(urls, "kubernetes").await;
     }
 }
 
@@ -120,15 +117,15 @@ impl BackgroundService for K8sDiscovery {
                 }
                 Some(Ok(Event::InitDone)) => {
                     slices = relist.take().unwrap_or_default();
-                    self.publish(&slices);
+                    self.publish(&slices).await;
                 }
                 Some(Ok(Event::Apply(s))) => {
                     slices.insert(name(&s), s);
-                    self.publish(&slices);
+                    self.publish(&slices).await;
                 }
                 Some(Ok(Event::Delete(s))) => {
                     slices.remove(&name(&s));
-                    self.publish(&slices);
+                    self.publish(&slices).await;
                 }
                 Some(Err(e)) => {
                     // The watcher retries by itself (410 Gone means a fresh list); keep the

@@ -102,12 +102,35 @@ impl GatewayState {
         })
     }
 
-    /// Replace the backends found by discovery (Kubernetes EndpointSlices) and rebuild the
-    /// cluster view; backends that stay keep their state, and requests already streaming
-    /// from one that left finish on their own connections.
+    /// Replace the backends found by discovery (Kubernetes EndpointSlices, DNS) and rebuild
+    /// the cluster view; backends that stay keep their state, and requests already streaming
+    /// from one that left finish on their own connections. Blocking: the static names are
+    /// resolved again too.
     pub fn set_discovered(&self, urls: Vec<String>) {
         self.discovered.store(Arc::new(urls));
         self.re_resolve(&system_resolve);
+    }
+
+    /// What a discovery service calls with the URLs it found (`source` names it in the
+    /// log): nothing when they did not change, else [`Self::set_discovered`] off the async
+    /// runtime (the system resolver blocks).
+    pub async fn publish_discovered(self: &Arc<Self>, urls: Vec<String>, source: &'static str) {
+        if **self.discovered.load() == urls {
+            return;
+        }
+        tracing::info!(source, backends = ?urls, "discovery: backends changed");
+        let state = self.clone();
+        let _ = tokio::task::spawn_blocking(move || state.set_discovered(urls)).await;
+    }
+
+    /// The cluster view for `specs`, carrying over the state of the backends of `old` that
+    /// stay; the prefix index forgets the ones that left.
+    fn rebuild_cluster(&self, old: &ClusterView, specs: &[BackendSpec]) -> Arc<ClusterView> {
+        let cluster = Arc::new(ClusterView::rebuild(old, specs));
+        for gone in old.backends.iter().filter(|b| !cluster.backends.iter().any(|n| n.key == b.key)) {
+            self.prefix.remove(gone.key);
+        }
+        cluster
     }
 
     /// Resolve the active config's backend names again; when an address changed (a name
@@ -127,10 +150,7 @@ impl GatewayState {
                 tracing::info!(url = %s.url, from = ?b.addr, to = ?s.addr, "backend address changed");
             }
         }
-        let cluster = Arc::new(ClusterView::rebuild(&old.cluster, &specs));
-        for gone in old.cluster.backends.iter().filter(|b| !cluster.backends.iter().any(|n| n.key == b.key)) {
-            self.prefix.remove(gone.key);
-        }
+        let cluster = self.rebuild_cluster(&old.cluster, &specs);
         let policy = old.config.policy.build();
         // Only if no reload swapped the config meanwhile (that one resolved for itself).
         let next = Arc::new(Active { config: old.config.clone(), policy, cluster });
@@ -145,11 +165,8 @@ impl GatewayState {
         if old.config.listen != config.listen || old.config.admin_listen != config.admin_listen {
             tracing::warn!("listen/admin_listen changes take effect after a restart");
         }
-        let cluster = Arc::new(ClusterView::rebuild(&old.cluster, &backend_specs(&config, &self.discovered.load())));
         self.prefix.reconfigure(&config.prefix_index);
-        for gone in old.cluster.backends.iter().filter(|b| !cluster.backends.iter().any(|n| n.key == b.key)) {
-            self.prefix.remove(gone.key);
-        }
+        let cluster = self.rebuild_cluster(&old.cluster, &backend_specs(&config, &self.discovered.load()));
         let policy = config.policy.build();
         self.active.store(Arc::new(Active { config, policy, cluster }));
     }
