@@ -23,7 +23,7 @@ if [ -z "$PY" ]; then
 fi
 [ -n "$PY" ] || { echo "test-chart: Python >= 3.12 is needed (helm-sdkpy); install python3.12" >&2; exit 1; }
 VENV=.cache/chart-venv
-REQS="helm-sdkpy==0.1.32 kubernetes-validate==1.37.0 PyYAML"
+REQS="helm-sdkpy==0.1.32 kubernetes-validate==1.37.0 PyYAML==6.0.4"
 if [ ! -f "$VENV/.ready" ] || [ "$(cat "$VENV/.ready")" != "$REQS" ]; then
   echo "test-chart: installing $REQS into $VENV"
   rm -rf "$VENV"
