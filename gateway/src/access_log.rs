@@ -46,6 +46,9 @@ pub struct AccessLine<'a> {
     pub chunks: usize,
     /// Retries on other backends.
     pub retries: u32,
+    /// The API key's tenant (never the key).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<&'a str>,
     /// Error kind.
     pub error: Option<&'a str>,
 }
@@ -135,6 +138,7 @@ mod tests {
             response_bytes: 0,
             chunks: 0,
             retries: 0,
+            tenant: None,
             error: None,
         }
     }

@@ -311,7 +311,12 @@ mod tests {
     #[test]
     fn consecutive_failures_eject_within_the_cap() {
         let v = view(4);
-        let cfg = HealthConfig { consecutive_failures: 3, ejection_ms: 1000, max_ejection_percent: 25 };
+        let cfg = HealthConfig {
+            consecutive_failures: 3,
+            ejection_ms: 1000,
+            max_ejection_percent: 25,
+            ..HealthConfig::default()
+        };
         let now = Instant::now();
         assert!(!v.record_failure(0, "500", now, &cfg));
         assert!(!v.record_failure(0, "500", now, &cfg));
@@ -329,7 +334,12 @@ mod tests {
     #[test]
     fn a_success_resets_the_streak() {
         let v = view(2);
-        let cfg = HealthConfig { consecutive_failures: 2, ejection_ms: 1000, max_ejection_percent: 50 };
+        let cfg = HealthConfig {
+            consecutive_failures: 2,
+            ejection_ms: 1000,
+            max_ejection_percent: 50,
+            ..HealthConfig::default()
+        };
         let now = Instant::now();
         v.record_failure(0, "connect", now, &cfg);
         v.backends[0].record_success();

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::auth::AuthConfig;
 use crate::error::{ConfigError, FieldError};
 use crate::policy::PolicyConfig;
 
@@ -49,8 +50,11 @@ pub struct GatewayConfig {
     pub admission: AdmissionConfig,
     /// Passive health checking (ejection).
     pub health: HealthConfig,
-    /// Graceful shutdown.
-    pub shutdown: ShutdownConfig,
+    /// API keys and per-key limits.
+    pub auth: AuthConfig,
+    /// Graceful drain on SIGTERM (`shutdown` is the old name).
+    #[serde(alias = "shutdown")]
+    pub drain: DrainConfig,
 }
 
 impl Default for GatewayConfig {
@@ -68,7 +72,8 @@ impl Default for GatewayConfig {
             retries: RetriesConfig::default(),
             admission: AdmissionConfig::default(),
             health: HealthConfig::default(),
-            shutdown: ShutdownConfig::default(),
+            auth: AuthConfig::default(),
+            drain: DrainConfig::default(),
         }
     }
 }
@@ -223,17 +228,43 @@ impl PrefixIndexConfig {
     }
 }
 
-/// Request limits.
+/// Limits on what a client may send, and how slowly.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LimitsConfig {
     /// Largest request body; larger ones get 413 before any upstream connection.
     pub max_body_bytes: u64,
+    /// A request's header must arrive within this (from the connection's first byte of
+    /// the request, or from its reuse): the slowloris guard. The connection is closed.
+    pub header_read_timeout_ms: u64,
+    /// Largest request header block (431 above it).
+    pub max_header_bytes: usize,
+    /// Most header fields in one request (431 above it).
+    pub max_headers: usize,
+    /// Reading the whole request body (408 past it).
+    pub body_read_timeout_ms: u64,
 }
 
 impl Default for LimitsConfig {
     fn default() -> Self {
-        LimitsConfig { max_body_bytes: DEFAULT_MAX_BODY_BYTES }
+        LimitsConfig {
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            header_read_timeout_ms: 10_000,
+            max_header_bytes: 64 * 1024,
+            max_headers: 100,
+            body_read_timeout_ms: 30_000,
+        }
+    }
+}
+
+impl LimitsConfig {
+    /// Header read deadline.
+    pub fn header_read_timeout(&self) -> Duration {
+        Duration::from_millis(self.header_read_timeout_ms)
+    }
+    /// Request body deadline.
+    pub fn body_read_timeout(&self) -> Duration {
+        Duration::from_millis(self.body_read_timeout_ms)
     }
 }
 
@@ -247,13 +278,11 @@ pub struct TimeoutsConfig {
     pub first_byte_ms: u64,
     /// Longest gap between two response chunks.
     pub idle_ms: u64,
-    /// Reading the whole request body from the client.
-    pub request_body_ms: u64,
 }
 
 impl Default for TimeoutsConfig {
     fn default() -> Self {
-        TimeoutsConfig { connect_ms: 1000, first_byte_ms: 600_000, idle_ms: 60_000, request_body_ms: 30_000 }
+        TimeoutsConfig { connect_ms: 1000, first_byte_ms: 600_000, idle_ms: 60_000 }
     }
 }
 
@@ -268,6 +297,9 @@ pub struct AdmissionConfig {
     pub max_queue: usize,
     /// Longest wait of one request.
     pub max_wait_ms: u64,
+    /// A request header carrying an integer priority (higher leaves the queue first);
+    /// without it a request has its API key's `priority`, else 0.
+    pub priority_header: Option<String>,
     /// A backend whose scraped waiting queue is at least this is saturated (unset: never).
     pub saturated_waiting: Option<f64>,
     /// A backend whose scraped KV-cache usage is at least this is saturated (unset: never).
@@ -276,7 +308,13 @@ pub struct AdmissionConfig {
 
 impl Default for AdmissionConfig {
     fn default() -> Self {
-        AdmissionConfig { max_queue: 1000, max_wait_ms: 0, saturated_waiting: None, saturated_kv_usage: None }
+        AdmissionConfig {
+            max_queue: 1000,
+            max_wait_ms: 0,
+            priority_header: None,
+            saturated_waiting: None,
+            saturated_kv_usage: None,
+        }
     }
 }
 
@@ -290,17 +328,26 @@ impl AdmissionConfig {
     }
 }
 
-/// Retries of requests that never reached an engine.
+/// Retries on another backend — only ever before anything reached the client: after a
+/// connection failure, a dead pooled connection, or an answer with a status in
+/// `retry_on_status` (an engine saying it is overloaded). All within a retry budget
+/// ([`crate::retry`]).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RetriesConfig {
     /// Attempts in all (1 = no retry).
     pub max_attempts: u32,
+    /// Engine answers retried elsewhere (the last one is passed on when no retry is left).
+    pub retry_on_status: Vec<u16>,
+    /// Retries may add this share of the request rate (over the last 10 s)…
+    pub budget_percent: u32,
+    /// …plus this many per second.
+    pub min_retries_per_second: u32,
 }
 
 impl Default for RetriesConfig {
     fn default() -> Self {
-        RetriesConfig { max_attempts: 3 }
+        RetriesConfig { max_attempts: 3, retry_on_status: vec![503], budget_percent: 20, min_retries_per_second: 10 }
     }
 }
 
@@ -314,25 +361,39 @@ pub struct HealthConfig {
     pub ejection_ms: u64,
     /// At most this share of backends is ejected at once (at least one may always be).
     pub max_ejection_percent: u32,
+    /// Circuit breaker: a backend with this many requests in flight from this gateway takes
+    /// no more until one ends (0: no limit). When all are full, requests wait in the
+    /// admission queue (or get 503).
+    pub max_inflight_per_backend: u64,
 }
 
 impl Default for HealthConfig {
     fn default() -> Self {
-        HealthConfig { consecutive_failures: 5, ejection_ms: 10_000, max_ejection_percent: 50 }
+        HealthConfig {
+            consecutive_failures: 5,
+            ejection_ms: 10_000,
+            max_ejection_percent: 50,
+            max_inflight_per_backend: 0,
+        }
     }
 }
 
-/// Graceful shutdown.
+/// Graceful drain on SIGTERM: `/-/ready` fails at once; the listeners keep accepting for
+/// `close_listeners_after_ms` (while load balancers and EndpointSlices catch up, so no
+/// connection is refused), then close; requests in flight get until `grace_period_secs`
+/// (counted from the signal) to finish, and the process exits as soon as none is left.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct ShutdownConfig {
-    /// After SIGTERM: readiness fails and listeners close; in-flight streams get this long.
+pub struct DrainConfig {
+    /// From SIGTERM to the forced exit.
     pub grace_period_secs: u64,
+    /// From SIGTERM to closing the listeners.
+    pub close_listeners_after_ms: u64,
 }
 
-impl Default for ShutdownConfig {
+impl Default for DrainConfig {
     fn default() -> Self {
-        ShutdownConfig { grace_period_secs: 5 }
+        DrainConfig { grace_period_secs: 25, close_listeners_after_ms: 5000 }
     }
 }
 
@@ -486,12 +547,28 @@ impl GatewayConfig {
         if self.limits.max_body_bytes == 0 {
             bad("limits.max_body_bytes".into(), "0".into(), "must be > 0");
         }
+        if self.limits.max_header_bytes < 1024 {
+            bad("limits.max_header_bytes".into(), self.limits.max_header_bytes.to_string(), "must be >= 1024");
+        }
+        if !(8..=256).contains(&self.limits.max_headers) {
+            // pingora's parser stops at 256 fields.
+            bad("limits.max_headers".into(), self.limits.max_headers.to_string(), "must be in 8..=256");
+        }
+        let d = &self.drain;
+        if d.close_listeners_after_ms > d.grace_period_secs * 1000 {
+            bad(
+                "drain.close_listeners_after_ms".into(),
+                d.close_listeners_after_ms.to_string(),
+                "must not be past drain.grace_period_secs",
+            );
+        }
         let t = &self.timeouts;
         for (name, v) in [
             ("timeouts.connect_ms", t.connect_ms),
             ("timeouts.first_byte_ms", t.first_byte_ms),
             ("timeouts.idle_ms", t.idle_ms),
-            ("timeouts.request_body_ms", t.request_body_ms),
+            ("limits.header_read_timeout_ms", self.limits.header_read_timeout_ms),
+            ("limits.body_read_timeout_ms", self.limits.body_read_timeout_ms),
         ] {
             if v == 0 {
                 bad(name.into(), "0".into(), "must be > 0");
@@ -500,12 +577,21 @@ impl GatewayConfig {
         if !(1..=10).contains(&self.retries.max_attempts) {
             bad("retries.max_attempts".into(), self.retries.max_attempts.to_string(), "must be in 1..=10");
         }
+        for (i, code) in self.retries.retry_on_status.iter().enumerate() {
+            if !(500..=599).contains(code) {
+                bad(format!("retries.retry_on_status[{i}]"), code.to_string(), "must be a 5xx status");
+            }
+        }
+        if self.retries.budget_percent > 1000 {
+            bad("retries.budget_percent".into(), self.retries.budget_percent.to_string(), "must be <= 1000");
+        }
         if self.health.consecutive_failures == 0 {
             bad("health.consecutive_failures".into(), "0".into(), "must be >= 1");
         }
         if self.health.max_ejection_percent > 100 {
             bad("health.max_ejection_percent".into(), self.health.max_ejection_percent.to_string(), "must be <= 100");
         }
+        self.auth.validate(&mut errs);
         if errs.is_empty() {
             Ok(())
         } else {
@@ -551,10 +637,6 @@ impl TimeoutsConfig {
     /// Inter-chunk timeout.
     pub fn idle(&self) -> Duration {
         Duration::from_millis(self.idle_ms)
-    }
-    /// Request body deadline.
-    pub fn request_body(&self) -> Duration {
-        Duration::from_millis(self.request_body_ms)
     }
 }
 

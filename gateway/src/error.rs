@@ -75,6 +75,24 @@ pub enum ProxyError {
     /// The engine did not answer in time (504).
     #[error("the engine did not answer within {0} ms")]
     UpstreamTimeout(u64),
+    /// No API key, or one that is not configured (401). The key is never part of it.
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    /// A key over its limit (429).
+    #[error("rate limit reached for {tenant}: {what} per {period}; retry after {retry_after_secs} s")]
+    RateLimited {
+        /// `requests` or `tokens` (the OpenAI error type).
+        what: &'static str,
+        /// `second` or `minute`.
+        period: &'static str,
+        /// The key's tenant.
+        tenant: String,
+        /// Seconds until the request would pass.
+        retry_after_secs: u64,
+    },
+    /// Header block over `limits.max_header_bytes` or `limits.max_headers` (431).
+    #[error("{0}")]
+    HeaderTooLarge(String),
 }
 
 impl ProxyError {
@@ -89,6 +107,9 @@ impl ProxyError {
             ProxyError::NoBackend(_) => 503,
             ProxyError::Upstream(_) => 502,
             ProxyError::UpstreamTimeout(_) => 504,
+            ProxyError::Unauthorized(_) => 401,
+            ProxyError::RateLimited { .. } => 429,
+            ProxyError::HeaderTooLarge(_) => 431,
         }
     }
 
@@ -104,13 +125,20 @@ impl ProxyError {
             ProxyError::NoBackend(_) => "no_backend",
             ProxyError::Upstream(_) => "upstream_error",
             ProxyError::UpstreamTimeout(_) => "upstream_timeout",
+            ProxyError::Unauthorized(_) => "unauthorized",
+            ProxyError::RateLimited { what: "tokens", .. } => "rate_limited_tokens",
+            ProxyError::RateLimited { .. } => "rate_limited_requests",
+            ProxyError::HeaderTooLarge(_) => "header_too_large",
         }
     }
 
     /// OpenAI error `type`.
     pub fn error_type(&self) -> &'static str {
+        if let ProxyError::RateLimited { what, .. } = self {
+            return what;
+        }
         match self.status() {
-            400 | 405 | 408 | 413 => "invalid_request_error",
+            400 | 401 | 405 | 408 | 413 | 431 => "invalid_request_error",
             404 => "not_found_error",
             _ => "service_unavailable",
         }
@@ -120,6 +148,8 @@ impl ProxyError {
     pub fn body(&self) -> String {
         let code = match self {
             ProxyError::ModelNotFound(_) => serde_json::Value::from("model_not_found"),
+            ProxyError::Unauthorized(_) => serde_json::Value::from("invalid_api_key"),
+            ProxyError::RateLimited { .. } => serde_json::Value::from("rate_limit_exceeded"),
             _ => serde_json::Value::Null,
         };
         serde_json::json!({
@@ -128,8 +158,12 @@ impl ProxyError {
         .to_string()
     }
 
-    /// Seconds a client should wait before retrying, for 503s.
+    /// Seconds a client should wait before retrying (503, 429).
     pub fn retry_after_secs(&self) -> Option<u64> {
-        matches!(self, ProxyError::NoBackend(_)).then_some(1)
+        match self {
+            ProxyError::NoBackend(_) => Some(1),
+            ProxyError::RateLimited { retry_after_secs, .. } => Some(*retry_after_secs),
+            _ => None,
+        }
     }
 }

@@ -11,9 +11,12 @@
 
 pub mod access_log;
 pub mod admin;
+pub mod admission;
+pub mod auth;
 pub mod cluster;
 pub mod config;
 pub mod dns;
+pub mod drain;
 pub mod error;
 pub mod k8s;
 pub mod metrics;
@@ -22,6 +25,7 @@ pub mod prefix;
 pub mod proxy;
 pub mod reload;
 pub mod request;
+pub mod retry;
 pub mod scrape;
 pub mod state;
 
@@ -35,7 +39,7 @@ use pingora::services::listening::Service;
 pub use config::GatewayConfig;
 
 /// Build the pingora server for a validated config and run it until shutdown
-/// (SIGTERM: graceful, within `shutdown.grace_period_secs`; SIGINT: fast).
+/// (SIGTERM: graceful drain, see [`drain`]; SIGINT: fast).
 pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     let registry = prometheus::Registry::new();
     let metrics = metrics::GatewayMetrics::new(registry)?;
@@ -45,12 +49,17 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     };
     let conf = ServerConf {
         threads,
-        grace_period_seconds: Some(config.shutdown.grace_period_secs),
+        // pingora sleeps this long after closing the listeners; `drain` exits earlier
+        // when nothing is left in flight.
+        grace_period_seconds: Some(
+            config.drain.grace_period_secs.saturating_sub(config.drain.close_listeners_after_ms / 1000),
+        ),
         graceful_shutdown_timeout_seconds: Some(1),
         ..ServerConf::default()
     };
     let (listen, admin_listen) = (config.listen.clone(), config.admin_listen.clone());
     let state = state::GatewayState::new(config, metrics);
+    let drain_state = state.clone();
 
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
@@ -69,6 +78,6 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     }
     server.add_service(background_service("config-reloader", reload::Reloader::new(state, config_path)));
     tracing::info!(%listen, %admin_listen, threads, "switchyard-gateway starting");
-    server.run(RunArgs::default());
+    server.run(RunArgs { shutdown_signal: Box::new(drain::DrainSignal::new(drain_state)) });
     Ok(())
 }

@@ -43,6 +43,11 @@ pub struct GatewayMetrics {
     pub queue_depth: IntGauge,
     /// Time requests spent in the admission queue.
     pub queue_wait: Histogram,
+    /// Requests the gateway refused itself (auth, rate limits, header limits), by reason
+    /// and tenant.
+    pub rejected: IntCounterVec,
+    /// Connections closed for not sending a request header within the deadline.
+    pub header_timeouts: IntCounter,
     inflight: IntGaugeVec,
     waiting: GaugeVec,
     kv_usage: GaugeVec,
@@ -98,6 +103,14 @@ impl GatewayMetrics {
                 HistogramOpts::new("switchyard_queue_wait_seconds", "Time spent in the admission queue.")
                     .buckets(vec![0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]),
             )?,
+            rejected: IntCounterVec::new(
+                Opts::new("switchyard_rejected_total", "Requests refused by the gateway, by reason and tenant."),
+                &["reason", "tenant"],
+            )?,
+            header_timeouts: IntCounter::new(
+                "switchyard_header_timeouts_total",
+                "Connections closed because a request header did not arrive within limits.header_read_timeout_ms.",
+            )?,
             inflight: IntGaugeVec::new(
                 Opts::new("switchyard_backend_inflight", "Requests in flight per backend."),
                 &["backend"],
@@ -122,6 +135,8 @@ impl GatewayMetrics {
         m.registry.register(Box::new(m.config_reloads.clone()))?;
         m.registry.register(Box::new(m.queue_depth.clone()))?;
         m.registry.register(Box::new(m.queue_wait.clone()))?;
+        m.registry.register(Box::new(m.rejected.clone()))?;
+        m.registry.register(Box::new(m.header_timeouts.clone()))?;
         m.registry.register(Box::new(m.prefix_match_ratio.clone()))?;
         m.registry.register(Box::new(m.prefix_index_bytes.clone()))?;
         m.registry.register(Box::new(m.inflight.clone()))?;

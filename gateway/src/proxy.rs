@@ -3,8 +3,12 @@
 //! The gateway owns the upstream leg instead of using pingora's stock proxy loop, whose
 //! retry buffer silently drops request bodies over 64 KiB (see PINGORA-NOTES.md). Per request:
 //!
+//! 0. the head arrives within `limits.header_read_timeout_ms` (else the connection is
+//!    closed), within the size and field limits (431), with one framing (400); then the
+//!    API key (401) and its request rate (429) are checked ([`crate::auth`]);
 //! 1. read the whole body, capped at `limits.max_body_bytes` (413, checked against
-//!    `Content-Length` before reading) and `timeouts.request_body_ms` (408);
+//!    `Content-Length` before reading) and `limits.body_read_timeout_ms` (408); charge the
+//!    key's token budget (429);
 //! 2. parse just `model` and `stream` ([`crate::request`]); the body is forwarded untouched;
 //! 3. build candidates from the current snapshot (backends serving the model, up, not yet
 //!    tried) and let the policy pick; count the request in flight at once;
@@ -34,12 +38,14 @@ use pingora::server::ShutdownWatch;
 use pingora::upstreams::peer::HttpPeer;
 
 use crate::access_log::{now_ms, AccessLine};
+use crate::admission::Ticket;
+use crate::auth::{Denied, Tenant};
 use crate::cluster::{Backend, BackendState};
 use crate::config::GatewayConfig;
 use crate::error::ProxyError;
 use crate::policy::prefix_index::block_hashes;
 use crate::policy::RouteInput;
-use crate::request::{canonical_prompt, routing_fields};
+use crate::request::{canonical_prompt, check_head, routing_fields, UsageMeter};
 use crate::state::{Active, GatewayState};
 
 /// Headers that describe one hop and are never forwarded.
@@ -84,6 +90,11 @@ struct Log {
     retries: u32,
     error_kind: Option<&'static str>,
     stream: bool,
+    denied: Option<ProxyError>,
+    tenant: Option<Arc<Tenant>>,
+    /// What was charged to the tenant's token budget, and the prompt part of it.
+    charged: Option<(u64, u64)>,
+    usage: UsageMeter,
 }
 
 /// Outcome of one attempt on one backend before anything reached the client.
@@ -141,11 +152,38 @@ impl HttpServerApp for ProxyApp {
         mut session: ServerSession,
         shutdown: &ShutdownWatch,
     ) -> Option<ReusedHttpStream> {
-        match session.read_request().await {
-            Ok(true) => {}
-            Ok(false) => return None,
-            Err(e) => {
+        let _in_flight = self.state.in_flight.enter();
+        let limits = self.state.active.load().config.limits.clone();
+        let mut shutdown_rx = shutdown.clone();
+        // The deadline also bounds an idle keep-alive connection waiting for its next request.
+        let read = tokio::select! {
+            r = tokio::time::timeout(limits.header_read_timeout(), session.read_request()) => r,
+            // Shutting down: an idle connection is closed rather than kept for a request.
+            _ = shutdown_rx.changed() => return None,
+        };
+        match read {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) => return None,
+            Ok(Err(e)) => {
                 tracing::debug!(error = %e, "failed to read a request header");
+                if e.etype() == &pingora::ErrorType::InvalidHTTPHeader {
+                    let _ = session.respond_error(400).await;
+                }
+                return None;
+            }
+            Err(_) => {
+                self.state.metrics.header_timeouts.inc();
+                return None;
+            }
+        }
+        if let Some(h1) = session.as_http1() {
+            let fields = session.req_header().headers.len();
+            if let Err(e) = check_head(&h1.get_headers_raw_bytes(), fields, limits.max_header_bytes, limits.max_headers)
+            {
+                self.state.metrics.rejected.with_label_values(&[e.kind(), ""]).inc();
+                session.set_keepalive(None);
+                let mut log = Log::default();
+                self.fail(&mut session, e, &mut log).await;
                 return None;
             }
         }
@@ -179,6 +217,10 @@ impl ProxyApp {
                 let (status, body) = self.readiness();
                 respond(s, status, "text/plain", Bytes::from(body), None).await
             }
+            _ if path.starts_with("/v1/") && !self.authorize(s, &mut log) => {
+                let e = log.denied.take().expect("authorize sets the refusal");
+                self.fail(s, e, &mut log).await
+            }
             ("GET", "/v1/models") => {
                 let body = self.models_body();
                 respond(s, 200, "application/json", Bytes::from(body), None).await
@@ -192,8 +234,50 @@ impl ProxyApp {
         if log.status == 0 && !path.starts_with("/-/") {
             log.status = 200;
         }
+        self.settle_tokens(&log);
         self.finish_log(&method, &path, started, &log);
         reusable
+    }
+
+    /// The API key and its request rate, for `/v1/` requests; false with `log.denied` set
+    /// when refused.
+    fn authorize(&self, s: &ServerSession, log: &mut Log) -> bool {
+        let active = self.state.active.load();
+        let denied = match active.auth.authenticate(s.get_header("authorization").map(|v| v.as_bytes())) {
+            Ok(None) => return true,
+            Ok(Some(tenant)) => match tenant.check_rate() {
+                Ok(()) => {
+                    log.tenant = Some(tenant);
+                    return true;
+                }
+                Err(wait) => {
+                    let e = ProxyError::RateLimited {
+                        what: "requests",
+                        period: "second",
+                        tenant: tenant.name.clone(),
+                        retry_after_secs: wait.as_secs_f64().ceil().max(1.0) as u64,
+                    };
+                    log.tenant = Some(tenant);
+                    e
+                }
+            },
+            Err(Denied::Missing) => {
+                ProxyError::Unauthorized("You didn't provide an API key. Send it as `Authorization: Bearer <key>`.")
+            }
+            Err(Denied::Unknown) => ProxyError::Unauthorized("Incorrect API key provided."),
+        };
+        let tenant = log.tenant.as_ref().map_or("", |t| t.name.as_str());
+        self.state.metrics.rejected.with_label_values(&[denied.kind(), tenant]).inc();
+        log.denied = Some(denied);
+        false
+    }
+
+    /// Settle the tenant's token budget: refund what the request did not use, or take more.
+    fn settle_tokens(&self, log: &Log) {
+        let (Some(tenant), Some((charged, prompt))) = (&log.tenant, log.charged) else { return };
+        let Some(budget) = &tenant.tokens else { return };
+        let used = if log.status < 400 && log.response_bytes > 0 { log.usage.used(prompt) } else { 0 };
+        budget.settle(charged, used, Instant::now());
     }
 
     fn readiness(&self) -> (u16, String) {
@@ -236,31 +320,29 @@ impl ProxyApp {
 
     /// The admission queue ([`crate::config::AdmissionConfig`]): returns at once when an
     /// engine is up and not saturated for `model` (or the model is unknown while others are
-    /// known: a 404 is due), else waits for one until the deadline. Errors are 503 with
-    /// `Retry-After`. Waiters poll the cluster view (updated by every scrape) every 20 ms.
-    async fn admit(&self, model: &str, started: Instant) -> Result<(), ProxyError> {
+    /// known: a 404 is due) and nobody waits, else waits in [`crate::admission`]'s order
+    /// until it is first and an engine can take it, or until the deadline. Errors are 503
+    /// with `Retry-After`. The first waiter re-checks the cluster view (updated by every
+    /// scrape) every 20 ms and whenever the waiter before it left. A waiter that leaves
+    /// keeps its ticket until it is counted in flight on a backend, so the next one sees
+    /// the engine one request busier.
+    async fn admit(&self, model: &str, started: Instant, priority: i32) -> Result<Option<Ticket>, ProxyError> {
         let ready = || {
             let active = self.state.active.load();
-            let cfg = &active.config;
-            let (candidates, known) = active.cluster.candidates(
-                model,
-                &[],
-                Instant::now(),
-                cfg.scrape.down_after_failures,
-                cfg.scrape.stale_after(),
-            );
-            let adm = &cfg.admission;
+            let (candidates, known) = routable(&active, model, &[]);
+            let adm = &active.config.admission;
             candidates.iter().any(|c| !adm.saturated(c.signal.as_ref()))
                 || (!known && !active.cluster.models().is_empty())
         };
         let adm = self.state.active.load().config.admission.clone();
-        if adm.max_wait_ms == 0 || ready() {
-            return Ok(());
+        let queue = &self.state.queue;
+        if adm.max_wait_ms == 0 || (queue.is_empty() && ready()) {
+            return Ok(None);
         }
         let metrics = &self.state.metrics;
-        if metrics.queue_depth.get() as usize >= adm.max_queue {
+        let Some(ticket) = queue.try_enter(priority, adm.max_queue) else {
             return Err(ProxyError::NoBackend(model.to_string()));
-        }
+        };
         // Counted out on every path, the handler dropped mid-wait included.
         struct Queued<'a>(&'a crate::metrics::GatewayMetrics, Instant);
         impl Drop for Queued<'_> {
@@ -271,15 +353,18 @@ impl ProxyApp {
         }
         metrics.queue_depth.inc();
         let _queued = Queued(metrics, started);
-        let deadline = started + Duration::from_millis(adm.max_wait_ms);
+        let deadline = tokio::time::Instant::from_std(started + Duration::from_millis(adm.max_wait_ms));
         loop {
-            // Scrapes (every scrape.interval_ms) are what make an engine routable.
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            if ready() {
-                break Ok(());
+            let moved = queue.changed();
+            if ticket.is_first() && ready() {
+                break Ok(Some(ticket));
             }
-            if Instant::now() >= deadline {
-                break Err(ProxyError::NoBackend(model.to_string()));
+            // Scrapes (every scrape.interval_ms) are what make an engine routable.
+            let tick = tokio::time::sleep(Duration::from_millis(20));
+            tokio::select! {
+                _ = moved => {}
+                _ = tick => {}
+                _ = tokio::time::sleep_until(deadline) => break Err(ProxyError::NoBackend(model.to_string())),
             }
         }
     }
@@ -305,10 +390,35 @@ impl ProxyApp {
             },
         };
         log.model = Some(model.clone());
-        // Hold the request while no engine can take it; then route on what is current.
-        if let Err(e) = self.admit(&model, started).await {
-            return self.fail(s, e, log).await;
+        if let Some(budget) = log.tenant.as_ref().and_then(|t| t.tokens.as_ref()) {
+            let prompt = cfg.prefix_index.tokens(body.len());
+            let charge = prompt + fields.max_tokens.unwrap_or(cfg.auth.default_max_tokens);
+            if let Err(wait) = budget.take(charge, Instant::now()) {
+                let tenant = log.tenant.as_ref().map_or(String::new(), |t| t.name.clone());
+                self.state.metrics.rejected.with_label_values(&["rate_limited_tokens", tenant.as_str()]).inc();
+                let e = ProxyError::RateLimited {
+                    what: "tokens",
+                    period: "minute",
+                    tenant,
+                    retry_after_secs: wait.as_secs_f64().ceil().max(1.0) as u64,
+                };
+                return self.fail(s, e, log).await;
+            }
+            log.charged = Some((charge, prompt));
         }
+        let priority = cfg
+            .admission
+            .priority_header
+            .as_ref()
+            .and_then(|h| s.get_header(h.as_str()))
+            .and_then(|v| v.to_str().ok()?.trim().parse::<i32>().ok())
+            .or(log.tenant.as_ref().map(|t| t.priority))
+            .unwrap_or(0);
+        // Hold the request while no engine can take it; then route on what is current.
+        let mut ticket = match self.admit(&model, started, priority).await {
+            Ok(t) => t,
+            Err(e) => return self.fail(s, e, log).await,
+        };
         let active = self.state.active.load_full();
         let cfg = &active.config;
 
@@ -330,15 +440,9 @@ impl ProxyApp {
 
         let mut tried: Vec<usize> = Vec::new();
         let mut last_error: Option<ProxyError> = None;
+        self.state.retry_budget.lock().expect("retry budget lock").record_request(Instant::now());
         loop {
-            let now = Instant::now();
-            let (candidates, known) = active.cluster.candidates(
-                &model,
-                &tried,
-                now,
-                cfg.scrape.down_after_failures,
-                cfg.scrape.stale_after(),
-            );
+            let (candidates, known) = routable(&active, &model, &tried);
             if !known {
                 return self.fail(s, ProxyError::ModelNotFound(model), log).await;
             }
@@ -375,11 +479,31 @@ impl ProxyApp {
             let uncached = prompt_tokens - chosen.matched_tokens;
             let work = chosen.pending_prefill_tokens + uncached;
             let mut inflight = InflightGuard::new(&backend, uncached, work, fields.stream);
+            drop(ticket.take());
             match self.start_exchange(s, &backend, path, &body, cfg).await {
                 Ok((up, peer)) => {
+                    let status = up.response_header().map_or(0, |h| h.status.as_u16());
+                    if cfg.retries.retry_on_status.contains(&status) {
+                        tried.push(decision.index);
+                        if self.may_retry(&active, &model, &tried) {
+                            // Nothing reached the client: drop this answer (and its
+                            // connection) and try another engine.
+                            self.state.metrics.upstream_errors.with_label_values(&["retried_status"]).inc();
+                            active.cluster.record_failure(
+                                decision.index,
+                                "retried status",
+                                Instant::now(),
+                                &cfg.health,
+                            );
+                            self.state.metrics.retries.inc();
+                            log.retries += 1;
+                            last_error = Some(ProxyError::Upstream(format!("engine answered {status}")));
+                            continue;
+                        }
+                    }
                     return self
                         .stream_response(s, up, peer, &active, decision.index, started, log, &mut inflight)
-                        .await
+                        .await;
                 }
                 Err(AttemptError::ClientGone) => {
                     log.status = 499;
@@ -397,7 +521,7 @@ impl ProxyApp {
                     tracing::warn!(backend = %backend.url, kind, error = %message, "upstream attempt failed");
                     tried.push(decision.index);
                     last_error = Some(ProxyError::Upstream(message));
-                    if tried.len() as u32 >= cfg.retries.max_attempts {
+                    if !self.may_retry(&active, &model, &tried) {
                         let e = last_error.take().expect("just set");
                         return self.fail(s, e, log).await;
                     }
@@ -406,6 +530,19 @@ impl ProxyApp {
                 }
             }
         }
+    }
+
+    /// Whether a request that failed on `tried` may have another attempt: attempts left,
+    /// another backend to try, and the retry budget not spent (taken from it when true).
+    fn may_retry(&self, active: &Active, model: &str, tried: &[usize]) -> bool {
+        if tried.len() as u32 >= active.config.retries.max_attempts || routable(active, model, tried).0.is_empty() {
+            return false;
+        }
+        let granted = self.state.retry_budget.lock().expect("retry budget lock").try_retry(Instant::now());
+        if !granted {
+            self.state.metrics.upstream_errors.with_label_values(&["retry_budget_spent"]).inc();
+        }
+        granted
     }
 
     /// Connect, send the request and wait for the response header (or the client leaving).
@@ -525,6 +662,9 @@ impl ProxyApp {
                     self.state.metrics.ttft.with_label_values(&[backend.url.as_str()]).observe(t.as_secs_f64());
                 }
                 log.response_bytes += data.len();
+                if log.charged.is_some() {
+                    log.usage.observe(&data);
+                }
                 if s.write_response_body(data, false).await.is_err() {
                     log.error_kind = Some("client_gone");
                     return false;
@@ -585,9 +725,28 @@ impl ProxyApp {
             response_bytes: log.response_bytes,
             chunks: log.chunks,
             retries: log.retries,
+            tenant: log.tenant.as_ref().map(|t| t.name.as_str()),
             error: log.error_kind,
         });
     }
+}
+
+/// Backends that may take a request for `model` now, `tried` excluded: up, not ejected,
+/// under the circuit breaker's in-flight limit. Also whether any backend serves the model.
+fn routable(active: &Active, model: &str, tried: &[usize]) -> (Vec<crate::policy::Candidate>, bool) {
+    let cfg = &active.config;
+    let (mut candidates, known) = active.cluster.candidates(
+        model,
+        tried,
+        Instant::now(),
+        cfg.scrape.down_after_failures,
+        cfg.scrape.stale_after(),
+    );
+    let max = cfg.health.max_inflight_per_backend;
+    if max > 0 {
+        candidates.retain(|c| c.inflight < max);
+    }
+    (candidates, known)
 }
 
 /// Largest coalesced write.
@@ -644,9 +803,9 @@ async fn read_body(s: &mut ServerSession, cfg: &GatewayConfig) -> Result<Bytes, 
         }
         Ok(buf.freeze())
     };
-    match tokio::time::timeout(cfg.timeouts.request_body(), read).await {
+    match tokio::time::timeout(cfg.limits.body_read_timeout(), read).await {
         Ok(r) => r,
-        Err(_) => Err(ProxyError::BodyTimeout(cfg.timeouts.request_body_ms)),
+        Err(_) => Err(ProxyError::BodyTimeout(cfg.limits.body_read_timeout_ms)),
     }
 }
 

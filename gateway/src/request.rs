@@ -16,6 +16,9 @@ pub struct RoutingFields {
     pub model: Option<String>,
     /// `stream`.
     pub stream: bool,
+    /// `max_tokens` (or `max_completion_tokens`) when it is a non-negative integer; other
+    /// values are left for the engine to reject.
+    pub max_tokens: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -24,6 +27,10 @@ struct Raw<'a> {
     model: Option<&'a RawValue>,
     #[serde(borrow)]
     stream: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_completion_tokens: Option<&'a RawValue>,
 }
 
 /// Parse the routing fields; the error names what is wrong.
@@ -54,7 +61,77 @@ pub fn routing_fields(body: &[u8]) -> Result<RoutingFields, ProxyError> {
             other => return Err(ProxyError::BadRequest(format!("stream must be a boolean, got {}", truncate(other)))),
         },
     };
-    Ok(RoutingFields { model, stream })
+    let max_tokens = raw.max_tokens.or(raw.max_completion_tokens).and_then(|v| v.get().parse::<u64>().ok());
+    Ok(RoutingFields { model, stream, max_tokens })
+}
+
+/// Checks of a request head that pingora's parser leaves to us: the size and field count
+/// limits, and a request that carried both `Content-Length` and `Transfer-Encoding`
+/// (pingora drops the length and reads chunks, RFC 9112 §6.3; an edge proxy refuses such
+/// a request outright, since the client and some other hop may disagree on where it
+/// ends). `raw` is the head as received (HTTP/1), `fields` its field count.
+pub fn check_head(raw: &[u8], fields: usize, max_bytes: usize, max_fields: usize) -> Result<(), ProxyError> {
+    if raw.len() > max_bytes {
+        return Err(ProxyError::HeaderTooLarge(format!(
+            "request header of {} bytes is larger than the limit of {max_bytes}",
+            raw.len()
+        )));
+    }
+    if fields > max_fields {
+        return Err(ProxyError::HeaderTooLarge(format!("request has {fields} header fields; at most {max_fields}")));
+    }
+    let has = |name: &[u8]| {
+        raw.split(|&b| b == b'\n').skip(1).any(|line| {
+            line.len() > name.len() && line[..name.len()].eq_ignore_ascii_case(name) && line[name.len()] == b':'
+        })
+    };
+    if has(b"transfer-encoding") && has(b"content-length") {
+        return Err(ProxyError::BadRequest("a request may not carry both Content-Length and Transfer-Encoding".into()));
+    }
+    Ok(())
+}
+
+/// Counts what a response used, for token budgets: the `usage.total_tokens` of the last
+/// usage object seen (a non-streamed body, or a stream's `include_usage` chunk), else the
+/// number of SSE data events (about one token each).
+#[derive(Debug, Default)]
+pub struct UsageMeter {
+    tail: Vec<u8>,
+    events: u64,
+}
+
+/// How much of a response's end the meter keeps.
+const USAGE_TAIL_BYTES: usize = 4096;
+
+impl UsageMeter {
+    /// Account one response chunk.
+    pub fn observe(&mut self, chunk: &[u8]) {
+        self.events += chunk.windows(6).filter(|w| w == b"data: ").count() as u64;
+        self.tail.extend_from_slice(chunk);
+        if self.tail.len() > 2 * USAGE_TAIL_BYTES {
+            self.tail.drain(..self.tail.len() - USAGE_TAIL_BYTES);
+        }
+    }
+
+    /// Completion tokens plus prompt tokens, given the gateway's prompt estimate.
+    pub fn used(&self, prompt_estimate: u64) -> u64 {
+        match self.reported_total() {
+            Some(total) => total,
+            None => prompt_estimate + self.events.saturating_sub(1),
+        }
+    }
+
+    fn reported_total(&self) -> Option<u64> {
+        let key = b"\"total_tokens\":";
+        let at = self.tail.windows(key.len()).rposition(|w| w == key)? + key.len();
+        let digits: Vec<u8> = self.tail[at..]
+            .iter()
+            .skip_while(|b| b.is_ascii_whitespace())
+            .take_while(|b| b.is_ascii_digit())
+            .copied()
+            .collect();
+        std::str::from_utf8(&digits).ok()?.parse().ok()
+    }
 }
 
 #[derive(Deserialize)]
@@ -144,8 +221,41 @@ mod tests {
     #[test]
     fn extracts_model_and_stream() {
         let f = routing_fields(br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#).unwrap();
-        assert_eq!(f, RoutingFields { model: Some("m".into()), stream: true });
-        assert_eq!(routing_fields(b" {}").unwrap(), RoutingFields { model: None, stream: false });
+        assert_eq!(f, RoutingFields { model: Some("m".into()), stream: true, max_tokens: None });
+        assert_eq!(routing_fields(b" {}").unwrap(), RoutingFields { model: None, stream: false, max_tokens: None });
+        assert_eq!(routing_fields(br#"{"max_tokens":7}"#).unwrap().max_tokens, Some(7));
+        assert_eq!(routing_fields(br#"{"max_completion_tokens":9}"#).unwrap().max_tokens, Some(9));
+        assert_eq!(routing_fields(br#"{"max_tokens":-1}"#).unwrap().max_tokens, None);
+        assert_eq!(routing_fields(br#"{"max_tokens":1e99}"#).unwrap().max_tokens, None);
+    }
+
+    #[test]
+    fn heads_over_the_limits_or_with_two_framings_are_refused() {
+        let ok = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n";
+        assert!(check_head(ok, 2, 1024, 100).is_ok());
+        assert_eq!(check_head(ok, 2, 16, 100).unwrap_err().status(), 431);
+        assert_eq!(check_head(ok, 101, 1024, 100).unwrap_err().status(), 431);
+        let both = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\ncontent-length: 5\r\n\r\n";
+        assert_eq!(check_head(both, 2, 1024, 100).unwrap_err().status(), 400);
+        let bare_lf = b"POST / HTTP/1.1\nTRANSFER-ENCODING: chunked\nContent-Length:5\n\n";
+        assert_eq!(check_head(bare_lf, 2, 1024, 100).unwrap_err().status(), 400);
+        // A field merely containing the name is not the field.
+        let value = b"POST / HTTP/1.1\r\nX-Note: content-length: 5\r\nTransfer-Encoding: chunked\r\n\r\n";
+        assert!(check_head(value, 2, 1024, 100).is_ok());
+    }
+
+    #[test]
+    fn the_usage_meter_prefers_reported_usage_then_counts_events() {
+        let mut m = UsageMeter::default();
+        m.observe(b"data: {\"choices\":[]}\n\ndata: {\"choices\":[]}\n\n");
+        m.observe(b"data: [DONE]\n\n");
+        assert_eq!(m.used(10), 12);
+        m.observe(br#"{"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens": 8}}"#);
+        assert_eq!(m.used(10), 8);
+        let mut big = UsageMeter::default();
+        big.observe(&vec![b'x'; 100_000]);
+        big.observe(br#""total_tokens":42}"#);
+        assert_eq!(big.used(0), 42);
     }
 
     #[test]

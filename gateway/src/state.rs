@@ -13,11 +13,14 @@ use arc_swap::ArcSwap;
 use pingora::connectors::http::Connector;
 
 use crate::access_log::AccessLog;
+use crate::admission::AdmissionQueue;
+use crate::auth::Authenticator;
 use crate::cluster::{BackendSpec, ClusterView};
 use crate::config::{parse_backend_url, GatewayConfig};
 use crate::metrics::GatewayMetrics;
 use crate::policy::Policy;
 use crate::prefix::PrefixTracker;
+use crate::retry::RetryBudget;
 
 /// The config in force, the policy built from it and the backend set: one snapshot, so a
 /// request never sees a new policy with old backends or the reverse.
@@ -28,6 +31,20 @@ pub struct Active {
     pub policy: Box<dyn Policy>,
     /// Backend membership.
     pub cluster: Arc<ClusterView>,
+    /// API keys and their limiter state.
+    pub auth: Arc<Authenticator>,
+}
+
+/// The key table of `config`, keeping `previous`'s limiter state for unchanged keys. Fails
+/// closed: a key source that became unreadable since validation leaves no valid key.
+fn build_auth(config: &GatewayConfig, previous: Option<&Authenticator>) -> Arc<Authenticator> {
+    let keys = config.auth.all_keys().unwrap_or_else(|errs| {
+        for e in errs {
+            tracing::error!(error = %e, "API keys unavailable; requests will be refused");
+        }
+        Vec::new()
+    });
+    Arc::new(Authenticator::build(config.auth.enabled(), keys, previous))
 }
 
 /// Shared state.
@@ -46,6 +63,12 @@ pub struct GatewayState {
     pub prefix: PrefixTracker,
     /// Backend URLs found by discovery (beside the config's static ones).
     pub discovered: ArcSwap<Vec<String>>,
+    /// Requests waiting for an engine.
+    pub queue: Arc<AdmissionQueue>,
+    /// Retries spent against requests made.
+    pub retry_budget: std::sync::Mutex<RetryBudget>,
+    /// Proxy connections with a request being read or served (drain waits for zero).
+    pub in_flight: crate::drain::InFlight,
 }
 
 /// Resolve a `host:port` with the system resolver (blocking).
@@ -91,14 +114,20 @@ impl GatewayState {
         let cluster = Arc::new(ClusterView::rebuild(&ClusterView::default(), &backend_specs(&config, &[])));
         let policy = config.policy.build();
         let prefix = PrefixTracker::new(&config.prefix_index);
+        let auth = build_auth(&config, None);
+        let r = &config.retries;
+        let retry_budget = RetryBudget::new(r.budget_percent, r.min_retries_per_second, std::time::Instant::now());
         Arc::new(GatewayState {
             prefix,
-            active: ArcSwap::from_pointee(Active { config, policy, cluster }),
+            active: ArcSwap::from_pointee(Active { config, policy, cluster, auth }),
             connector: Connector::new(None),
             metrics,
             draining: AtomicBool::new(false),
             access_log: AccessLog::stdout(),
             discovered: ArcSwap::from_pointee(Vec::new()),
+            queue: AdmissionQueue::new(),
+            in_flight: crate::drain::InFlight::default(),
+            retry_budget: std::sync::Mutex::new(retry_budget),
         })
     }
 
@@ -153,7 +182,7 @@ impl GatewayState {
         let cluster = self.rebuild_cluster(&old.cluster, &specs);
         let policy = old.config.policy.build();
         // Only if no reload swapped the config meanwhile (that one resolved for itself).
-        let next = Arc::new(Active { config: old.config.clone(), policy, cluster });
+        let next = Arc::new(Active { config: old.config.clone(), policy, cluster, auth: old.auth.clone() });
         let prev = self.active.compare_and_swap(&old, next);
         Arc::ptr_eq(&prev, &old)
     }
@@ -168,7 +197,10 @@ impl GatewayState {
         self.prefix.reconfigure(&config.prefix_index);
         let cluster = self.rebuild_cluster(&old.cluster, &backend_specs(&config, &self.discovered.load()));
         let policy = config.policy.build();
-        self.active.store(Arc::new(Active { config, policy, cluster }));
+        let auth = build_auth(&config, Some(&old.auth));
+        let r = &config.retries;
+        self.retry_budget.lock().expect("retry budget lock").set_limits(r.budget_percent, r.min_retries_per_second);
+        self.active.store(Arc::new(Active { config, policy, cluster, auth }));
     }
 }
 

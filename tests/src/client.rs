@@ -22,23 +22,54 @@ pub struct Resp {
 
 /// Send one request on a new connection and wait for the response header.
 pub async fn send(addr: SocketAddr, method: &str, path: &str, body: impl Into<Bytes>) -> Resp {
+    send_with(addr, method, path, &[], body).await
+}
+
+/// [`send`] with extra request headers.
+pub async fn send_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Resp {
     let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
     stream.set_nodelay(true).unwrap();
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.expect("handshake");
     let conn = tokio::spawn(async move {
         let _ = conn.await;
     });
-    let req = hyper::Request::builder()
+    let mut req = hyper::Request::builder()
         .method(method)
         .uri(path)
         .header("host", addr.to_string())
-        .header("content-type", "application/json")
-        .body(Full::new(body.into()))
-        .unwrap();
+        .header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(body.into())).unwrap();
     let resp = sender.send_request(req).await.expect("response");
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
     Resp { status, headers, body: resp.into_body(), conn, buf: String::new() }
+}
+
+/// Write `bytes` on a new connection and read until the server closes it or `limit`
+/// passes: what came back, and whether the server closed the connection.
+pub async fn raw_exchange(addr: SocketAddr, bytes: &[u8], limit: Duration) -> (String, bool) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(bytes).await.expect("write");
+    let mut out = Vec::new();
+    let mut buf = [0u8; 8192];
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return (String::from_utf8_lossy(&out).into(), true),
+            Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+            Err(_) => return (String::from_utf8_lossy(&out).into(), false),
+        }
+    }
 }
 
 /// POST a JSON body.

@@ -157,6 +157,31 @@ impl GatewayProc {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// Send SIGTERM (as the kubelet does).
+    pub fn terminate(&self) {
+        sigterm(&self.child);
+    }
+
+    /// Wait up to `limit` for the process to exit; its status.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        wait_exit(&mut self.child, limit)
+    }
+}
+
+fn sigterm(child: &Child) {
+    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+}
+
+fn wait_exit(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if let Ok(Some(st)) = child.try_wait() {
+            return Some(st);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
 }
 
 impl Drop for GatewayProc {
@@ -185,19 +210,12 @@ impl ShimProc {
 
     /// Send SIGTERM (as the kubelet does).
     pub fn terminate(&self) {
-        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        sigterm(&self.child);
     }
 
     /// Wait up to `limit` for the process to exit; its status.
     pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
-        let start = Instant::now();
-        while start.elapsed() < limit {
-            if let Ok(Some(st)) = self.child.try_wait() {
-                return Some(st);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
+        wait_exit(&mut self.child, limit)
     }
 }
 

@@ -1,0 +1,383 @@
+//! API keys, tenants and their rate limits.
+//!
+//! Keys are configured by their SHA-256 (`auth.keys[].key_sha256`, or lists of the same
+//! entries in `auth.keys_file` / the environment variable named by `auth.keys_env`); the
+//! gateway never holds, logs or compares a plaintext key. A request presents
+//! `Authorization: Bearer <key>`; its hash finds the tenant.
+//!
+//! Each tenant may have two limits:
+//! - **requests per second** with a burst — governor's GCRA, one limiter per key;
+//! - **tokens per minute** — a [`TokenBudget`] charged the request's estimate (prompt bytes /
+//!   `prefix_index.bytes_per_token` + `max_tokens`) before routing, and settled with the
+//!   `usage` the engine returned (or the streamed events counted) afterwards. It is
+//!   hand-written because it must take refunds and go into debt, which GCRA cannot.
+//!
+//! Limiter state survives config reloads for every key whose entry did not change.
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use governor::clock::{Clock, DefaultClock};
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+use crate::error::FieldError;
+
+/// `auth`: absent or without keys, every request is let through unauthenticated.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthConfig {
+    /// Keys written in the config file.
+    pub keys: Vec<ApiKeyConfig>,
+    /// A YAML file holding a list of more entries (e.g. a mounted Secret).
+    pub keys_file: Option<String>,
+    /// An environment variable holding a YAML/JSON list of more entries.
+    pub keys_env: Option<String>,
+    /// `max_tokens` assumed for token budgets when a request does not set it.
+    pub default_max_tokens: u64,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        AuthConfig { keys: Vec::new(), keys_file: None, keys_env: None, default_max_tokens: DEFAULT_MAX_TOKENS }
+    }
+}
+
+/// One API key.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKeyConfig {
+    /// Who the key belongs to (logged and used in metrics instead of the key).
+    pub tenant: String,
+    /// Lowercase hex SHA-256 of the key (`printf %s "$KEY" | sha256sum`).
+    pub key_sha256: String,
+    /// Sustained requests per second (unset: unlimited).
+    #[serde(default)]
+    pub requests_per_second: Option<f64>,
+    /// Requests allowed at once above the rate (default: the rate rounded up, at least 1).
+    #[serde(default)]
+    pub burst: Option<u32>,
+    /// Token budget per minute, prompt and completion together (unset: unlimited).
+    #[serde(default)]
+    pub tokens_per_minute: Option<u64>,
+    /// Admission-queue priority of this key's requests (higher first; default 0).
+    #[serde(default)]
+    pub priority: i32,
+}
+
+/// Default `auth.default_max_tokens`.
+pub const DEFAULT_MAX_TOKENS: u64 = 256;
+
+impl AuthConfig {
+    /// Whether requests need a key.
+    pub fn enabled(&self) -> bool {
+        !self.keys.is_empty() || self.keys_file.is_some() || self.keys_env.is_some()
+    }
+
+    /// Every key: those of the file, then of `keys_file` and `keys_env` (read now). Errors
+    /// name the source and entry.
+    pub fn all_keys(&self) -> Result<Vec<ApiKeyConfig>, Vec<FieldError>> {
+        let mut keys = self.keys.clone();
+        let mut errs = Vec::new();
+        let mut extend = |field: &str, value: &str, text: Result<String, String>| match text
+            .and_then(|t| serde_yaml::from_str::<Vec<ApiKeyConfig>>(&t).map_err(|e| e.to_string()))
+        {
+            Ok(more) => keys.extend(more),
+            Err(reason) => errs.push(FieldError {
+                field: field.into(),
+                value: value.into(),
+                reason: format!("cannot read a list of keys: {reason}"),
+            }),
+        };
+        if let Some(path) = &self.keys_file {
+            extend("auth.keys_file", path, std::fs::read_to_string(path).map_err(|e| e.to_string()));
+        }
+        if let Some(var) = &self.keys_env {
+            extend("auth.keys_env", var, std::env::var(var).map_err(|e| e.to_string()));
+        }
+        if errs.is_empty() {
+            Ok(keys)
+        } else {
+            Err(errs)
+        }
+    }
+
+    /// Field-level problems, sources read.
+    pub fn validate(&self, errs: &mut Vec<FieldError>) {
+        let keys = match self.all_keys() {
+            Ok(k) => k,
+            Err(e) => return errs.extend(e),
+        };
+        let mut bad = |i: usize, field: &str, value: String, reason: &str| {
+            errs.push(FieldError { field: format!("auth.keys[{i}].{field}"), value, reason: reason.into() })
+        };
+        let mut seen = std::collections::HashSet::new();
+        for (i, k) in keys.iter().enumerate() {
+            if k.tenant.is_empty() {
+                bad(i, "tenant", String::new(), "must name the tenant");
+            }
+            match parse_sha256(&k.key_sha256) {
+                None => bad(i, "key_sha256", k.key_sha256.clone(), "must be 64 hex digits (the SHA-256 of the key)"),
+                Some(h) if !seen.insert(h) => bad(i, "key_sha256", k.key_sha256.clone(), "listed twice"),
+                Some(_) => {}
+            }
+            if let Some(r) = k.requests_per_second {
+                if !(r.is_finite() && r > 0.0 && r <= 1e9) {
+                    bad(i, "requests_per_second", r.to_string(), "must be a positive number of requests per second");
+                }
+            }
+            if k.burst == Some(0) {
+                bad(i, "burst", "0".into(), "must be at least 1");
+            }
+            if k.burst.is_some() && k.requests_per_second.is_none() {
+                bad(i, "burst", format!("{:?}", k.burst), "needs requests_per_second");
+            }
+            if k.tokens_per_minute == Some(0) {
+                bad(i, "tokens_per_minute", "0".into(), "must be at least 1 (omit it for no limit)");
+            }
+        }
+    }
+}
+
+fn parse_sha256(hex_digest: &str) -> Option<[u8; 32]> {
+    let mut out = [0u8; 32];
+    hex::decode_to_slice(hex_digest.trim(), &mut out).ok()?;
+    Some(out)
+}
+
+/// SHA-256 of a presented key, as stored in the table.
+pub fn key_digest(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+/// A tenant's token budget per minute: a bucket of `per_minute` tokens refilled
+/// continuously, charged an estimate up front and settled with the real count later
+/// (a refund, or a debt that delays the next request).
+#[derive(Debug)]
+pub struct TokenBudget {
+    per_minute: f64,
+    /// Tokens available (negative: debt) and when that was computed.
+    level: Mutex<(f64, Instant)>,
+}
+
+impl TokenBudget {
+    /// A full budget.
+    pub fn new(per_minute: u64, now: Instant) -> Self {
+        TokenBudget { per_minute: per_minute as f64, level: Mutex::new((per_minute as f64, now)) }
+    }
+
+    fn refill(&self, level: &mut (f64, Instant), now: Instant) {
+        let elapsed = now.saturating_duration_since(level.1).as_secs_f64();
+        level.0 = (level.0 + elapsed * self.per_minute / 60.0).min(self.per_minute);
+        level.1 = now;
+    }
+
+    /// Charge `tokens` (capped at the whole budget, so a single large request can pass on a
+    /// full bucket), or say how long until they are available.
+    pub fn take(&self, tokens: u64, now: Instant) -> Result<(), Duration> {
+        let need = (tokens as f64).min(self.per_minute);
+        let mut level = self.level.lock().expect("token budget lock");
+        self.refill(&mut level, now);
+        if level.0 >= need {
+            level.0 -= need;
+            Ok(())
+        } else {
+            Err(Duration::from_secs_f64((need - level.0) * 60.0 / self.per_minute))
+        }
+    }
+
+    /// The request charged `charged` used `used`: refund the difference, or take the rest.
+    pub fn settle(&self, charged: u64, used: u64, now: Instant) {
+        let charged = (charged as f64).min(self.per_minute);
+        let mut level = self.level.lock().expect("token budget lock");
+        self.refill(&mut level, now);
+        level.0 = (level.0 + charged - used as f64).min(self.per_minute);
+    }
+
+    /// Tokens available now (negative: debt).
+    pub fn available(&self, now: Instant) -> f64 {
+        let mut level = self.level.lock().expect("token budget lock");
+        self.refill(&mut level, now);
+        level.0
+    }
+}
+
+/// One key's tenant and its limiter state.
+pub struct Tenant {
+    /// Tenant name.
+    pub name: String,
+    /// Admission priority.
+    pub priority: i32,
+    config: ApiKeyConfig,
+    requests: Option<DefaultDirectRateLimiter>,
+    /// Token budget, if any.
+    pub tokens: Option<TokenBudget>,
+}
+
+impl std::fmt::Debug for Tenant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tenant").field("name", &self.name).field("priority", &self.priority).finish_non_exhaustive()
+    }
+}
+
+impl Tenant {
+    fn new(config: ApiKeyConfig) -> Self {
+        let requests = config.requests_per_second.and_then(|rps| {
+            let burst = config.burst.unwrap_or(rps.ceil().max(1.0) as u32);
+            Quota::with_period(Duration::from_secs_f64(1.0 / rps))
+                .map(|q| RateLimiter::direct(q.allow_burst(NonZeroU32::new(burst.max(1)).expect("at least 1"))))
+        });
+        let tokens = config.tokens_per_minute.map(|t| TokenBudget::new(t, Instant::now()));
+        Tenant { name: config.tenant.clone(), priority: config.priority, requests, tokens, config }
+    }
+
+    /// Count one request against the rate; on refusal, how long until one is allowed.
+    pub fn check_rate(&self) -> Result<(), Duration> {
+        match &self.requests {
+            None => Ok(()),
+            Some(l) => l.check().map_err(|not_until| not_until.wait_time_from(DefaultClock::default().now())),
+        }
+    }
+}
+
+/// Why a request was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Denied {
+    /// No `Authorization: Bearer` key.
+    Missing,
+    /// A key that is not configured.
+    Unknown,
+}
+
+/// The key table of one config.
+#[derive(Debug, Default)]
+pub struct Authenticator {
+    by_digest: HashMap<[u8; 32], Arc<Tenant>>,
+    enabled: bool,
+}
+
+impl Authenticator {
+    /// The table for validated `keys`, reusing the limiter state of `previous` for every
+    /// entry that did not change.
+    pub fn build(enabled: bool, keys: Vec<ApiKeyConfig>, previous: Option<&Authenticator>) -> Self {
+        let by_digest = keys
+            .into_iter()
+            .filter_map(|k| {
+                let digest = parse_sha256(&k.key_sha256)?;
+                let kept = previous.and_then(|p| p.by_digest.get(&digest)).filter(|t| t.config == k).cloned();
+                Some((digest, kept.unwrap_or_else(|| Arc::new(Tenant::new(k)))))
+            })
+            .collect();
+        Authenticator { by_digest, enabled }
+    }
+
+    /// Whether keys are required.
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// The tenant presenting `authorization` (the header's value), `Ok(None)` when auth is off.
+    pub fn authenticate(&self, authorization: Option<&[u8]>) -> Result<Option<Arc<Tenant>>, Denied> {
+        if !self.enabled {
+            return Ok(None);
+        }
+        let value = authorization.ok_or(Denied::Missing)?;
+        let value = std::str::from_utf8(value).map_err(|_| Denied::Unknown)?.trim();
+        let (scheme, key) = value.split_once(' ').ok_or(Denied::Missing)?;
+        if !scheme.eq_ignore_ascii_case("bearer") || key.trim().is_empty() {
+            return Err(Denied::Missing);
+        }
+        self.by_digest.get(&key_digest(key.trim())).cloned().map(Some).ok_or(Denied::Unknown)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(tenant: &str, secret: &str) -> ApiKeyConfig {
+        ApiKeyConfig {
+            tenant: tenant.into(),
+            key_sha256: hex::encode(key_digest(secret)),
+            requests_per_second: Some(1.0),
+            burst: Some(2),
+            tokens_per_minute: None,
+            priority: 0,
+        }
+    }
+
+    #[test]
+    fn bearer_keys_find_their_tenant_by_hash() {
+        let auth = Authenticator::build(true, vec![key("a", "sk-a"), key("b", "sk-b")], None);
+        assert_eq!(auth.authenticate(Some(b"Bearer sk-b")).unwrap().unwrap().name, "b");
+        assert_eq!(auth.authenticate(Some(b"bearer  sk-a ")).unwrap().unwrap().name, "a");
+        assert_eq!(auth.authenticate(None).unwrap_err(), Denied::Missing);
+        assert_eq!(auth.authenticate(Some(b"Basic sk-a")).unwrap_err(), Denied::Missing);
+        assert_eq!(auth.authenticate(Some(b"Bearer sk-c")).unwrap_err(), Denied::Unknown);
+        assert_eq!(auth.authenticate(Some(b"Bearer \xff")).unwrap_err(), Denied::Unknown);
+        assert!(Authenticator::build(false, vec![], None).authenticate(None).unwrap().is_none());
+    }
+
+    #[test]
+    fn the_request_rate_allows_the_burst_then_refuses_with_a_wait() {
+        let auth = Authenticator::build(true, vec![key("a", "sk-a")], None);
+        let t = auth.authenticate(Some(b"Bearer sk-a")).unwrap().unwrap();
+        assert!(t.check_rate().is_ok() && t.check_rate().is_ok());
+        let wait = t.check_rate().unwrap_err();
+        assert!(wait > Duration::from_millis(500) && wait <= Duration::from_secs(1), "{wait:?}");
+        // A reload with the same entry keeps the spent burst; a changed entry starts afresh.
+        let same = Authenticator::build(true, vec![key("a", "sk-a")], Some(&auth));
+        assert!(same.authenticate(Some(b"Bearer sk-a")).unwrap().unwrap().check_rate().is_err());
+        let mut faster = key("a", "sk-a");
+        faster.requests_per_second = Some(100.0);
+        let changed = Authenticator::build(true, vec![faster], Some(&auth));
+        assert!(changed.authenticate(Some(b"Bearer sk-a")).unwrap().unwrap().check_rate().is_ok());
+    }
+
+    #[test]
+    fn the_token_budget_charges_refunds_and_carries_debt() {
+        let t0 = Instant::now();
+        let b = TokenBudget::new(600, t0); // 10 tokens a second
+        assert!(b.take(500, t0).is_ok());
+        let wait = b.take(200, t0).unwrap_err();
+        assert_eq!(wait.as_secs_f64().round(), 10.0, "100 missing at 10/s");
+        b.settle(500, 100, t0); // used far less: refunded
+        assert!(b.take(400, t0).is_ok());
+        b.settle(400, 1000, t0); // used more: now in debt
+        assert!(b.available(t0) < 0.0);
+        assert!(b.take(1, t0 + Duration::from_secs(1)).is_err());
+        // A request larger than the whole budget passes on a full bucket only.
+        let later = t0 + Duration::from_secs(600);
+        assert!(b.take(10_000, later).is_ok());
+        assert!(b.take(1, later).is_err());
+    }
+
+    #[test]
+    fn validation_names_each_bad_entry() {
+        let mut bad = key("", "x");
+        bad.key_sha256 = "abc".into();
+        bad.burst = Some(0);
+        bad.requests_per_second = Some(-1.0);
+        let cfg = AuthConfig { keys: vec![key("a", "k"), key("a2", "k"), bad], ..AuthConfig::default() };
+        let mut errs = Vec::new();
+        cfg.validate(&mut errs);
+        let fields: Vec<_> = errs.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "auth.keys[1].key_sha256",
+                "auth.keys[2].tenant",
+                "auth.keys[2].key_sha256",
+                "auth.keys[2].requests_per_second",
+                "auth.keys[2].burst"
+            ]
+        );
+        let missing = AuthConfig { keys_file: Some("/nonexistent/keys.yaml".into()), ..AuthConfig::default() };
+        let mut errs = Vec::new();
+        missing.validate(&mut errs);
+        assert_eq!(errs[0].field, "auth.keys_file");
+    }
+}

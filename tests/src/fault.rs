@@ -1,0 +1,231 @@
+//! A scripted fault engine: a minimal HTTP/1.1 server, in the test process, that speaks
+//! just enough of an engine's API (`/metrics` in vLLM's names, `/v1/models`, POSTs) to be
+//! scraped and routed to, and then misbehaves as told: error statuses, stalls before or
+//! during a stream, resets. It records what reached it, so tests can prove what did not.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// How the engine answers a POST (scrapes and `/v1/models` always succeed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fault {
+    /// 200 with a small completion (`stream: true` bodies get a short SSE stream).
+    Healthy,
+    /// Answer with this status and an OpenAI-shaped error (`Retry-After: 1` on 503).
+    Status(u16),
+    /// Read the request, never answer.
+    StallBeforeHeader,
+    /// Send the SSE header and `n` events, then never send more.
+    StallMidStream(usize),
+    /// Close the connection as soon as the request is read.
+    Reset,
+    /// A healthy stream of `events` events, `gap_ms` apart (a long generation).
+    Slow {
+        /// Events before `[DONE]`.
+        events: usize,
+        /// Pause between two events.
+        gap_ms: u64,
+    },
+}
+
+/// What the engine has seen.
+#[derive(Debug, Default)]
+pub struct Seen {
+    /// POST requests read (head and body, as received).
+    pub requests: Mutex<Vec<Vec<u8>>>,
+    /// Connections accepted (scrapes included).
+    pub connections: AtomicUsize,
+    /// Connections currently open.
+    pub open: AtomicUsize,
+    /// Stalled exchanges whose connection the peer closed.
+    pub stalls_closed: AtomicUsize,
+}
+
+/// A running fault engine; dropping it stops accepting.
+pub struct FaultEngine {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    fault: Arc<Mutex<Fault>>,
+    /// What reached it.
+    pub seen: Arc<Seen>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FaultEngine {
+    /// Start on a free loopback port serving model `m`.
+    pub async fn start(fault: Fault) -> FaultEngine {
+        Self::start_on(0, fault).await
+    }
+
+    /// Start on loopback `port` (0: any) serving model `m`.
+    pub async fn start_on(port: u16, fault: Fault) -> FaultEngine {
+        let listener = TcpListener::bind(("127.0.0.1", port)).await.expect("bind");
+        let addr = listener.local_addr().unwrap();
+        let fault = Arc::new(Mutex::new(fault));
+        let seen = Arc::new(Seen::default());
+        let (f, s) = (fault.clone(), seen.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                s.connections.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(serve(stream, f.clone(), s.clone()));
+            }
+        });
+        FaultEngine { addr, fault, seen, task }
+    }
+
+    /// `http://addr`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Change the behaviour of later requests.
+    pub fn set(&self, fault: Fault) {
+        *self.fault.lock().unwrap() = fault;
+    }
+
+    /// POSTs received so far.
+    pub fn posts(&self) -> usize {
+        self.seen.requests.lock().unwrap().len()
+    }
+}
+
+impl Drop for FaultEngine {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+struct Open(Arc<Seen>);
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+async fn serve(mut stream: TcpStream, fault: Arc<Mutex<Fault>>, seen: Arc<Seen>) {
+    seen.open.fetch_add(1, Ordering::SeqCst);
+    let _open = Open(seen.clone());
+    let _ = stream.set_nodelay(true);
+    let mut buf = Vec::new();
+    loop {
+        let Some((head_len, body_len)) = read_request(&mut stream, &mut buf).await else { return };
+        let request: Vec<u8> = buf.drain(..head_len + body_len).collect();
+        let head = String::from_utf8_lossy(&request[..head_len]).to_string();
+        let line = head.lines().next().unwrap_or("").to_string();
+        let ok = if line.starts_with("GET /metrics") {
+            write(&mut stream, 200, "text/plain", METRICS).await
+        } else if line.starts_with("GET /v1/models") {
+            write(&mut stream, 200, "application/json", r#"{"object":"list","data":[{"id":"m","object":"model"}]}"#)
+                .await
+        } else if line.starts_with("GET /health") {
+            write(&mut stream, 200, "text/plain", "ok").await
+        } else if line.starts_with("POST ") {
+            let body = &request[head_len..];
+            let streamed = String::from_utf8_lossy(body).contains("\"stream\":true");
+            seen.requests.lock().unwrap().push(request.clone());
+            let now = fault.lock().unwrap().clone();
+            match now {
+                Fault::Healthy if streamed => sse(&mut stream, 3, 5).await,
+                Fault::Slow { events, gap_ms } => sse(&mut stream, events, gap_ms).await,
+                Fault::Healthy => {
+                    let b = r#"{"id":"cmpl-f","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+                    write(&mut stream, 200, "application/json", b).await
+                }
+                Fault::Status(code) => {
+                    let b = format!(
+                        r#"{{"error":{{"message":"scripted {code}","type":"server_error","param":null,"code":{code}}}}}"#
+                    );
+                    write(&mut stream, code, "application/json", &b).await
+                }
+                Fault::StallBeforeHeader => {
+                    // Hold the connection open, answering nothing, until the peer leaves.
+                    let mut sink = [0u8; 1024];
+                    while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+                    seen.stalls_closed.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
+                Fault::StallMidStream(n) => {
+                    if !sse_events(&mut stream, n, 5).await {
+                        return;
+                    }
+                    let mut sink = [0u8; 1024];
+                    while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+                    seen.stalls_closed.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
+                Fault::Reset => return,
+            }
+        } else {
+            write(&mut stream, 404, "text/plain", "not found").await
+        };
+        if !ok {
+            return;
+        }
+    }
+}
+
+/// Read one request into `buf`: (head length, body length), or None at EOF.
+async fn read_request(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<(usize, usize)> {
+    let mut chunk = [0u8; 16 * 1024];
+    let head_len = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = stream.read(&mut chunk).await.ok().filter(|&n| n > 0)?;
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_len]).to_ascii_lowercase();
+    let body_len = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap_or(0)))
+        .unwrap_or(0);
+    while buf.len() < head_len + body_len {
+        let n = stream.read(&mut chunk).await.ok().filter(|&n| n > 0)?;
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    Some((head_len, body_len))
+}
+
+async fn write(stream: &mut TcpStream, status: u16, content_type: &str, body: &str) -> bool {
+    let retry = if status == 503 { "retry-after: 1\r\n" } else { "" };
+    let msg = format!(
+        "HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n{retry}\r\n{body}",
+        body.len()
+    );
+    stream.write_all(msg.as_bytes()).await.is_ok()
+}
+
+/// Header and `n` events of an SSE stream (chunked), `gap_ms` apart; false when the peer left.
+async fn sse_events(stream: &mut TcpStream, n: usize, gap_ms: u64) -> bool {
+    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+    if stream.write_all(head.as_bytes()).await.is_err() {
+        return false;
+    }
+    for i in 0..n {
+        let event = format!("data: {{\"choices\":[{{\"index\":0,\"text\":\"t{i}\"}}]}}\n\n");
+        let chunk = format!("{:x}\r\n{event}\r\n", event.len());
+        if stream.write_all(chunk.as_bytes()).await.is_err() {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(gap_ms)).await;
+    }
+    true
+}
+
+async fn sse(stream: &mut TcpStream, n: usize, gap_ms: u64) -> bool {
+    if !sse_events(stream, n, gap_ms).await {
+        return false;
+    }
+    let done = "data: [DONE]\n\n";
+    let tail = format!("{:x}\r\n{done}\r\n0\r\n\r\n", done.len());
+    stream.write_all(tail.as_bytes()).await.is_ok()
+}
+
+const METRICS: &str = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 0\n\
+# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\"} 0\n\
+# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name=\"m\"} 0.0\n";

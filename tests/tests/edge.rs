@@ -1,0 +1,406 @@
+//! Edge hardening (RELIABILITY.md cases 7–10, 15, 19, 20, and the queue's priority order):
+//! API keys, per-key limits, header and body limits, request smuggling, slow clients and
+//! the SIGTERM drain, each against a real gateway process on loopback.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use switchyard_testkit::*;
+
+const MODEL: &str = "meta-llama/Meta-Llama-3-8B-Instruct";
+const KEY_A: &str = "sk-team-a-0123456789";
+const KEY_B: &str = "sk-team-b-9876543210";
+const KEY_C: &str = "sk-team-c-tokens";
+
+fn sha256(key: &str) -> String {
+    let out = std::process::Command::new("sha256sum")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(key.as_bytes())?;
+            c.wait_with_output()
+        })
+        .expect("sha256sum");
+    String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_string()
+}
+
+fn with_extra(l: SocketAddr, a: SocketAddr, backends: &[String], extra: &str) -> String {
+    format!("{}{extra}", gateway_yaml(l, a, backends, "{ type: least_load }"))
+}
+
+async fn call(addr: SocketAddr, key: Option<&str>, body: &serde_json::Value) -> Resp {
+    let auth = key.map(|k| format!("Bearer {k}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+    send_with(addr, "POST", "/v1/completions", &headers, body.to_string()).await
+}
+
+fn small() -> serde_json::Value {
+    json!({"model": "m", "prompt": "hello", "max_tokens": 4})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_gate_the_api_and_are_never_logged() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let url = engine.url();
+    let keys_file = scratch_dir("keys").join("keys.yaml");
+    std::fs::write(&keys_file, format!("- {{ tenant: team-b, key_sha256: {} }}\n", sha256(KEY_B))).unwrap();
+    let extra = format!(
+        "auth:\n  keys_file: {}\n  keys:\n    - {{ tenant: team-a, key_sha256: {} }}\n",
+        keys_file.display(),
+        sha256(KEY_A)
+    );
+    let g = GatewayProc::start(|l, a| with_extra(l, a, std::slice::from_ref(&url), &extra));
+    wait_scraped(&g, 1).await;
+
+    for (what, key) in [("no key", None), ("wrong key", Some("sk-wrong")), ("empty bearer", Some(""))] {
+        let r = call(g.addr, key, &small()).await;
+        assert_eq!(r.status, 401, "{what}");
+        let v = r.json().await;
+        assert_eq!(v["error"]["code"], "invalid_api_key", "{what}: {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{what}: {v}");
+    }
+    let models = send(g.addr, "GET", "/v1/models", "").await;
+    assert_eq!(models.status, 401, "the model list needs a key too");
+    assert_eq!(engine.posts(), 0, "nothing reached an engine");
+    // Health and readiness need no key.
+    assert_eq!(send(g.addr, "GET", "/-/healthz", "").await.status, 200);
+    assert_eq!(send(g.addr, "GET", "/-/ready", "").await.status, 200);
+    // Keys from the config and from the keys file both work.
+    for key in [KEY_A, KEY_B] {
+        let r = call(g.addr, Some(key), &small()).await;
+        assert_eq!(r.status, 200);
+        r.text().await;
+    }
+    assert_eq!(engine.posts(), 2);
+    // The access log names the tenant; no key ever appears (the log is flushed every second).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let log = g.log();
+    assert!(log.contains("\"tenant\":\"team-a\"") && log.contains("\"tenant\":\"team-b\""), "{log}");
+    for secret in [KEY_A, KEY_B, "sk-wrong"] {
+        assert!(!log.contains(secret), "a key was logged");
+    }
+    let m = scrape(g.admin).await;
+    assert_eq!(metric(&m, "switchyard_rejected_total"), 4.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_over_its_limits_gets_429_and_other_keys_do_not() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let url = engine.url();
+    let extra = format!(
+        "auth:\n  keys:\n    - {{ tenant: a, key_sha256: {}, requests_per_second: 0.5, burst: 2 }}\n    \
+         - {{ tenant: b, key_sha256: {} }}\n    - {{ tenant: c, key_sha256: {}, tokens_per_minute: 100 }}\n",
+        sha256(KEY_A),
+        sha256(KEY_B),
+        sha256(KEY_C)
+    );
+    let g = GatewayProc::start(|l, a| with_extra(l, a, std::slice::from_ref(&url), &extra));
+    wait_scraped(&g, 1).await;
+
+    let mut a_status = Vec::new();
+    for _ in 0..5 {
+        let r = call(g.addr, Some(KEY_A), &small()).await;
+        a_status.push(r.status);
+        if r.status == 429 {
+            let retry: u64 = r.headers["retry-after"].to_str().unwrap().parse().unwrap();
+            assert!((1..=2).contains(&retry), "Retry-After {retry}");
+            let v = r.json().await;
+            assert_eq!(v["error"]["type"], "requests", "{v}");
+            assert_eq!(v["error"]["code"], "rate_limit_exceeded", "{v}");
+        } else {
+            r.text().await;
+        }
+        // The other key is never limited.
+        let b = call(g.addr, Some(KEY_B), &small()).await;
+        assert_eq!(b.status, 200);
+        b.text().await;
+    }
+    assert_eq!(a_status, [200, 200, 429, 429, 429], "the burst of 2 passes, then the rate holds");
+    assert_eq!(engine.posts(), 7, "refused requests never reach an engine");
+
+    // Token budget of 100/min: a request is charged its estimate (prompt + max_tokens)…
+    let big = json!({"model": "m", "prompt": "hello", "max_tokens": 80});
+    let r = call(g.addr, Some(KEY_C), &big).await;
+    assert_eq!(r.status, 200);
+    r.text().await;
+    // …and settled with the engine's usage (2 tokens), so a second one fits.
+    let r = call(g.addr, Some(KEY_C), &big).await;
+    assert_eq!(r.status, 200, "the first request's unused tokens were refunded");
+    r.text().await;
+    // One asking for more than is left is refused, with the token error type.
+    let huge = json!({"model": "m", "prompt": "hello", "max_tokens": 5000});
+    let r = call(g.addr, Some(KEY_C), &huge).await;
+    assert_eq!(r.status, 429);
+    assert!(r.headers.contains_key("retry-after"));
+    assert_eq!(r.json().await["error"]["type"], "tokens");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_heads_and_smuggling_attempts_never_reach_an_engine() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let url = engine.url();
+    let g = GatewayProc::start(|l, a| with_extra(l, a, std::slice::from_ref(&url), ""));
+    wait_scraped(&g, 1).await;
+    let body = r#"{"model":"m","prompt":"a","max_tokens":1}"#;
+    let limit = Duration::from_secs(5);
+    let request = |extra_head: &str, body: &str| {
+        format!("POST /v1/completions HTTP/1.1\r\nHost: x\r\n{extra_head}\r\n{body}").into_bytes()
+    };
+    let status = |resp: &str| resp.split(' ').nth(1).and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);
+
+    // Over 64 KiB of header, and over 100 fields (but under the parser's own caps).
+    let big = format!("X-Big: {}\r\nContent-Length: {}\r\n", "a".repeat(70 * 1024), body.len());
+    let (resp, closed) = raw_exchange(g.addr, &request(&big, body), limit).await;
+    assert!([431, 400].contains(&status(&resp)) && closed, "{resp}");
+    let many: String =
+        (0..120).map(|i| format!("X-F{i}: v\r\n")).collect::<String>() + &format!("Content-Length: {}\r\n", body.len());
+    let (resp, closed) = raw_exchange(g.addr, &request(&many, body), limit).await;
+    assert_eq!(status(&resp), 431, "{resp}");
+    assert!(closed);
+    let huge = format!("X-Huge: {}\r\n", "b".repeat(2 * 1024 * 1024));
+    let (resp, _) = raw_exchange(g.addr, &request(&huge, body), limit).await;
+    assert!([431, 400].contains(&status(&resp)), "past pingora's own cap: {resp:.200}");
+
+    // The smuggling corpus: each carries a second request in what one side would call the body.
+    let second = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 42\r\n\r\n".to_string() + body;
+    let chunked = format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len());
+    let corpus = vec![
+        (
+            "CL+TE",
+            request(
+                &format!("Content-Length: {}\r\nTransfer-Encoding: chunked\r\n", chunked.len()),
+                &(chunked.clone() + &second),
+            ),
+        ),
+        (
+            "TE+CL",
+            request(
+                &format!("Transfer-Encoding: chunked\r\nContent-Length: {}\r\n", body.len()),
+                &(chunked.clone() + &second),
+            ),
+        ),
+        (
+            "differing CLs",
+            request(&format!("Content-Length: {}\r\nContent-Length: 3\r\n", body.len()), &(body.to_string() + &second)),
+        ),
+        ("bad TE", request("Transfer-Encoding: xchunked\r\n", &(chunked.clone() + &second))),
+        ("TE not last", request("Transfer-Encoding: chunked, gzip\r\n", &(chunked.clone() + &second))),
+        (
+            "obs-fold",
+            request(
+                &format!("Content-Length: {}\r\nX-Fold: a\r\n  folded\r\n", body.len()),
+                &(body.to_string() + &second),
+            ),
+        ),
+        (
+            "bare LF",
+            format!("POST /v1/completions HTTP/1.1\nHost: x\nContent-Length: {}\n\n{body}{second}", body.len())
+                .into_bytes(),
+        ),
+    ];
+    let mut accepted = 0;
+    for (what, bytes) in corpus {
+        let before = engine.posts();
+        let (resp, _) = raw_exchange(g.addr, &bytes, limit).await;
+        let code = status(&resp);
+        let reached = engine.posts() - before;
+        match code {
+            400 => assert_eq!(reached, 0, "{what}: refused, yet something reached the engine"),
+            // Normalized: one request, re-framed by the gateway; the "second" request may be
+            // served as a request of its own only on a connection the client still owns.
+            200 => {
+                accepted += 1;
+                assert!(reached <= 2, "{what}: {reached} engine requests");
+            }
+            other => panic!("{what}: status {other}: {resp}"),
+        }
+        eprintln!("{what}: {code}");
+    }
+    for raw in engine.seen.requests.lock().unwrap().iter() {
+        let head = String::from_utf8_lossy(raw).to_ascii_lowercase();
+        let head = head.split("\r\n\r\n").next().unwrap();
+        assert!(!head.contains("transfer-encoding"), "an engine saw Transfer-Encoding: {head}");
+        assert_eq!(head.matches("content-length").count(), 1, "{head}");
+    }
+    assert!(accepted <= 2, "only bare LF and obs-fold may be normalized");
+    // CL+TE in particular is refused outright.
+    let (resp, _) =
+        raw_exchange(g.addr, &request("Content-Length: 5\r\nTransfer-Encoding: chunked\r\n", &chunked), limit).await;
+    assert_eq!(status(&resp), 400, "{resp}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_are_cut_off_without_slowing_others() {
+    let engine = EngineProc::start(&["--sim-profile", "h100-llama3-8b"]);
+    let url = engine.url();
+    let g = GatewayProc::start(|l, a| {
+        with_extra(
+            l,
+            a,
+            std::slice::from_ref(&url),
+            "limits: { header_read_timeout_ms: 1000, body_read_timeout_ms: 1000 }\n",
+        )
+    });
+    wait_scraped(&g, 1).await;
+    let body = json!({"model": MODEL, "prompt": "hi", "max_tokens": 16, "ignore_eos": true});
+    let latency = |n: usize| {
+        let body = body.clone();
+        let addr = g.addr;
+        async move {
+            let mut t = Vec::new();
+            for _ in 0..n {
+                let start = Instant::now();
+                let r = post(addr, "/v1/completions", &body).await;
+                assert_eq!(r.status, 200);
+                r.text().await;
+                t.push(start.elapsed());
+            }
+            t.sort();
+            t[n / 2]
+        }
+    };
+    let baseline = latency(15).await;
+
+    // Slow POST body: 408, nothing reaches the engine.
+    let before = metric(&scrape(engine.addr).await, "vllm:request_success_total");
+    let mut stream = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    stream.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mo").await.unwrap();
+    let t = Instant::now();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut out)).await;
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(t.elapsed() < Duration::from_secs(3));
+
+    // Slowloris: 2,000 connections trickling a header byte every 300 ms.
+    let n = 2000;
+    let mut tasks = Vec::new();
+    for _ in 0..n {
+        let addr = g.addr;
+        tasks.push(tokio::spawn(async move {
+            let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else { return None };
+            let opened = Instant::now();
+            let _ = s.write_all(b"POST /v1/completions HTTP/1.1\r\nX-Slow: ").await;
+            let mut buf = [0u8; 64];
+            loop {
+                tokio::select! {
+                    r = s.read(&mut buf) => if matches!(r, Ok(0) | Err(_)) { return Some(opened.elapsed()) },
+                    _ = tokio::time::sleep(Duration::from_millis(300)) => {
+                        if s.write_all(b"a").await.is_err() { return Some(opened.elapsed()) }
+                    }
+                }
+                if opened.elapsed() > Duration::from_secs(15) {
+                    return None;
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let during = latency(15).await;
+    let mut closed_after = Vec::new();
+    for t in tasks {
+        closed_after.push(t.await.unwrap().expect("a slowloris connection was never closed"));
+    }
+    let slowest = closed_after.iter().max().unwrap();
+    assert!(*slowest < Duration::from_secs(10), "closed by the header deadline: slowest {slowest:?}");
+    let ratio = during.as_secs_f64() / baseline.as_secs_f64();
+    eprintln!("median latency {baseline:?} → {during:?} under slowloris ({ratio:.3}×); slowest close {slowest:?}");
+    assert!(ratio < 1.10, "normal traffic slowed by {ratio:.3}× under slowloris");
+    let m = scrape(g.admin).await;
+    assert!(metric(&m, "switchyard_header_timeouts_total") >= n as f64);
+    let after = metric(&scrape(engine.addr).await, "vllm:request_success_total");
+    assert_eq!(after - before, 15.0, "only the normal requests reached the engine");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_fails_readiness_then_drains_and_exits_early() {
+    let engine = FaultEngine::start(Fault::Slow { events: 20, gap_ms: 100 }).await;
+    let url = engine.url();
+    let mut g = GatewayProc::start(|l, a| {
+        with_extra(
+            l,
+            a,
+            std::slice::from_ref(&url),
+            "drain: { grace_period_secs: 15, close_listeners_after_ms: 1000 }\n",
+        )
+    });
+    wait_scraped(&g, 1).await;
+    let stream_body = json!({"model": "m", "prompt": "a", "stream": true});
+    // Five streams of about two seconds each.
+    let mut streams = Vec::new();
+    for _ in 0..5 {
+        let r = post(g.addr, "/v1/completions", &stream_body).await;
+        assert_eq!(r.status, 200);
+        streams.push(tokio::spawn(r.events()));
+    }
+    let signalled = Instant::now();
+    g.terminate();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(send(g.addr, "GET", "/-/ready", "").await.status, 503, "readiness fails at once");
+    // Until the listeners close, new requests are still served.
+    let late = post(g.addr, "/v1/completions", &json!({"model": "m", "prompt": "a"})).await;
+    assert_eq!(late.status, 200, "a request during the listener delay");
+    late.text().await;
+    for s in streams {
+        let events = s.await.unwrap();
+        assert_eq!(events.last().unwrap().1, "[DONE]", "a stream was cut");
+        assert_eq!(events.len(), 21);
+    }
+    let status = g.wait_exit(Duration::from_secs(10)).expect("the gateway did not exit after draining");
+    let took = signalled.elapsed();
+    assert!(status.success(), "{status:?}");
+    assert!(took < Duration::from_secs(5), "exited {took:?} after SIGTERM: it should not wait out the 15 s grace");
+    assert!(tokio::net::TcpStream::connect(g.addr).await.is_err(), "listener closed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admission_queue_lets_higher_priority_out_first() {
+    // No engine yet; one request at a time once it is up (circuit breaker of 1).
+    let port = free_port();
+    let g = GatewayProc::start(move |l, a| {
+        format!(
+            "listen: {l}\nadmin_listen: {a}\nthreads: 2\ndiscovery:\n  static:\n    - url: http://127.0.0.1:{port}\n      \
+             models: [m]\nscrape: {{ interval_ms: 50, timeout_ms: 300, stale_after_ms: 1000 }}\n\
+             admission: {{ max_queue: 10, max_wait_ms: 20000, priority_header: x-priority }}\n\
+             health: {{ max_inflight_per_backend: 1 }}\n"
+        )
+    });
+    while backends(&g).await["backends"][0]["state"] != "down" {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut waiting = Vec::new();
+    for (name, priority) in [("low-1", "0"), ("low-2", "0"), ("high", "10"), ("mid", "5")] {
+        let addr = g.addr;
+        let body = json!({"model": "m", "prompt": name, "stream": true}).to_string();
+        waiting.push(tokio::spawn(async move {
+            let r = send_with(addr, "POST", "/v1/completions", &[("x-priority", priority)], body).await;
+            (r.status, r.events().await.len())
+        }));
+        // Queued in this order.
+        let start = Instant::now();
+        while metric(&scrape(g.admin).await, "switchyard_queue_depth") < waiting.len() as f64 {
+            assert!(start.elapsed() < Duration::from_secs(5));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    let engine = FaultEngine::start_on(port, Fault::Slow { events: 3, gap_ms: 50 }).await;
+    for w in waiting {
+        assert_eq!(w.await.unwrap(), (200, 4));
+    }
+    let order: Vec<String> = engine
+        .seen
+        .requests
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let text = String::from_utf8_lossy(r).to_string();
+            ["high", "mid", "low-1", "low-2"].into_iter().find(|n| text.contains(n)).unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(order, ["high", "mid", "low-1", "low-2"]);
+}
