@@ -570,6 +570,9 @@ impl ProxyApp {
             Ok(x) => x,
             Err(e) => return Err(AttemptError::Retryable { kind: "connect", message: e.to_string() }),
         };
+        // The connector does not carry the peer's read/write timeouts over to the session.
+        up.set_read_timeout(Some(cfg.timeouts.first_byte()));
+        up.set_write_timeout(Some(cfg.timeouts.idle()));
         let req = upstream_request(s.req_header(), path, &backend.authority, body.len());
         let sent = async {
             up.write_request_header(Box::new(req)).await?;

@@ -1,0 +1,309 @@
+//! RELIABILITY.md cases 1, 2, 4 and 11–14: engines that die, refuse, fail, stall; clients
+//! that leave or reset streams. Real gateway processes; `sim` engines or the scripted
+//! fault engine ([`switchyard_testkit::fault`]).
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use switchyard_testkit::*;
+
+const MODEL: &str = "meta-llama/Meta-Llama-3-8B-Instruct";
+
+fn gateway(backends: &[String], extra: &str) -> GatewayProc {
+    gateway_with(backends, "{ type: least_load }", extra)
+}
+
+fn gateway_with(backends: &[String], policy: &str, extra: &str) -> GatewayProc {
+    let (backends, policy, extra) = (backends.to_vec(), policy.to_string(), extra.to_string());
+    GatewayProc::start(move |l, a| format!("{}{extra}", gateway_yaml(l, a, &backends, &policy)))
+}
+
+/// `n` requests, `concurrency` at a time: their statuses.
+async fn load(addr: SocketAddr, n: usize, concurrency: usize, body: serde_json::Value) -> Vec<(u16, Duration)> {
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut workers = Vec::new();
+    for _ in 0..concurrency {
+        let (next, body) = (next.clone(), body.clone());
+        workers.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            while next.fetch_add(1, Ordering::SeqCst) < n {
+                let t = Instant::now();
+                let r = post(addr, "/v1/completions", &body).await;
+                let status = r.status;
+                if status == 503 {
+                    assert!(r.headers.contains_key("retry-after"), "503 without Retry-After");
+                }
+                r.text().await;
+                out.push((status, t.elapsed()));
+            }
+            out
+        }));
+    }
+    let mut all = Vec::new();
+    for w in workers {
+        all.extend(w.await.unwrap());
+    }
+    all
+}
+
+fn ok(body: &str) -> serde_json::Value {
+    json!({"model": "m", "prompt": body, "max_tokens": 2})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_refusing_connections_costs_no_client_an_error() {
+    let a = FaultEngine::start(Fault::Healthy).await;
+    let b = FaultEngine::start(Fault::Healthy).await;
+    // A port nobody listens on, declared to serve the model so it is tried at once.
+    let refused = format!("http://127.0.0.1:{}", free_port());
+    let backends = [a.url(), b.url(), refused.clone()];
+    let g = GatewayProc::start(move |l, ad| {
+        let mut y = format!("listen: {l}\nadmin_listen: {ad}\nthreads: 2\ndiscovery:\n  static:\n");
+        for u in &backends {
+            y.push_str(&format!("    - {{ url: {u}, models: [m] }}\n"));
+        }
+        // Scrapes slow enough that the refusing engine is still routable for a while.
+        y + "scrape: { interval_ms: 2000, timeout_ms: 500, stale_after_ms: 10000, down_after_failures: 100 }\n"
+    });
+    let results = load(g.addr, 200, 8, ok("x")).await;
+    let failed: Vec<_> = results.iter().filter(|r| r.0 != 200).collect();
+    assert!(failed.is_empty(), "{} failures: {failed:?}", failed.len());
+    assert_eq!(a.posts() + b.posts(), 200, "each request reached an engine exactly once");
+    let m = scrape(g.admin).await;
+    assert!(metric(&m, "switchyard_retries_total") >= 1.0, "the refusing engine was tried and retried");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_every_engine_says_503_retries_stay_within_the_budget() {
+    let engines: Vec<FaultEngine> =
+        futures_util::future::join_all((0..3).map(|_| FaultEngine::start(Fault::Status(503)))).await;
+    let urls: Vec<String> = engines.iter().map(FaultEngine::url).collect();
+    let g = gateway(
+        &urls,
+        "retries: { max_attempts: 3, budget_percent: 20, min_retries_per_second: 1 }\n\
+         health: { consecutive_failures: 1000 }\n",
+    );
+    wait_scraped(&g, 3).await;
+    let n = 100;
+    let results = load(g.addr, n, 4, ok("x")).await;
+    assert!(results.iter().all(|r| r.0 == 503), "clients get the engines' 503");
+    let slowest = results.iter().map(|r| r.1).max().unwrap();
+    assert!(slowest < Duration::from_millis(500), "503s come back quickly: slowest {slowest:?}");
+    let posts: usize = engines.iter().map(FaultEngine::posts).sum();
+    // 20 % of 100 requests plus 1/s over the 10 s window.
+    let budget = n + n / 5 + 10;
+    assert!(posts > n, "some retries were made");
+    assert!(posts <= budget, "{posts} engine requests for {n} client requests: over the retry budget of {budget}");
+    let m = scrape(g.admin).await;
+    assert_eq!(metric(&m, "switchyard_retries_total") as usize, posts - n);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_failing_everything_is_ejected_and_readmitted() {
+    let good: Vec<FaultEngine> =
+        futures_util::future::join_all((0..2).map(|_| FaultEngine::start(Fault::Healthy))).await;
+    let bad = FaultEngine::start(Fault::Status(500)).await;
+    let mut urls: Vec<String> = good.iter().map(FaultEngine::url).collect();
+    urls.push(bad.url());
+    let g = gateway_with(
+        &urls,
+        "{ type: round_robin }",
+        "retries: { retry_on_status: [500, 502, 503] }\n\
+         health: { consecutive_failures: 3, ejection_ms: 400, max_ejection_percent: 34 }\n",
+    );
+    wait_scraped(&g, 3).await;
+    let started = Instant::now();
+    let mut results = Vec::new();
+    while started.elapsed() < Duration::from_secs(2) {
+        results.extend(load(g.addr, 50, 2, ok("x")).await);
+    }
+    let success = results.iter().filter(|r| r.0 == 200).count() as f64 / results.len() as f64;
+    assert!(success >= 0.999, "success {success} over {} requests", results.len());
+    let b = backends(&g).await;
+    let entry = b["backends"].as_array().unwrap().iter().find(|x| x["url"] == bad.url().as_str()).unwrap().clone();
+    let ejections = entry["ejections"].as_u64().unwrap();
+    assert!(ejections >= 2, "ejected, re-admitted after the ejection time, ejected again: {entry}");
+    // Far less than its third of the traffic: it spends most of the time ejected.
+    assert!(bad.posts() * 6 < results.len(), "{} of {} requests hit the failing engine", bad.posts(), results.len());
+    // Never more than the max-ejection share: the good engines were never ejected.
+    for e in b["backends"].as_array().unwrap().iter().filter(|x| x["url"] != bad.url().as_str()) {
+        assert_eq!(e["ejections"], 0, "{e}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_engines_hit_the_timeouts_and_their_connections_are_dropped() {
+    let engine = FaultEngine::start(Fault::StallBeforeHeader).await;
+    let g = gateway(
+        &[engine.url()],
+        "timeouts: { first_byte_ms: 500, idle_ms: 500 }\nhealth: { consecutive_failures: 100 }\n",
+    );
+    wait_scraped(&g, 1).await;
+    // Accepts, never answers: 504 after the first-byte timeout.
+    let t = Instant::now();
+    let r = post(g.addr, "/v1/completions", &ok("stall")).await;
+    assert_eq!(r.status, 504);
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    assert_eq!(r.json().await["error"]["type"], "service_unavailable");
+    // Stops mid-stream: the stream ends with an SSE error event after the idle timeout.
+    engine.set(Fault::StallMidStream(2));
+    let r = post(g.addr, "/v1/completions", &json!({"model": "m", "prompt": "s", "stream": true})).await;
+    assert_eq!(r.status, 200);
+    let events = r.events().await;
+    assert_eq!(events.len(), 3, "{events:?}");
+    assert!(events[2].1.contains("\"error\"") && events[2].1.contains("idle_timeout"), "{events:?}");
+    // Both stalled connections were closed by the gateway, never put back in its pool.
+    let start = Instant::now();
+    while engine.seen.stalls_closed.load(Ordering::SeqCst) < 2 {
+        assert!(start.elapsed() < Duration::from_secs(2), "a stalled connection stayed open");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    engine.set(Fault::Healthy);
+    let before = engine.seen.connections.load(Ordering::SeqCst);
+    let r = post(g.addr, "/v1/completions", &ok("fine")).await;
+    assert_eq!(r.status, 200);
+    r.text().await;
+    assert!(engine.seen.connections.load(Ordering::SeqCst) > before, "served on a new connection");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_one_of_three_engines_under_200_streams_fails_no_unstarted_request() {
+    let mut engines: Vec<EngineProc> =
+        (0..3).map(|_| EngineProc::start(&["--sim-profile", "h100-llama3-8b"])).collect();
+    let urls: Vec<String> = engines.iter().map(EngineProc::url).collect();
+    let g = gateway(&urls, "");
+    wait_scraped(&g, 3).await;
+    let mut streams = Vec::new();
+    for i in 0..200 {
+        let addr = g.addr;
+        streams.push(tokio::spawn(async move {
+            let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 150, "ignore_eos": true,
+                              "stream": true, "seed": i});
+            let r = post(addr, "/v1/completions", &body).await;
+            (r.status, r.events().await)
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    engines[1].kill();
+    let (mut complete, mut cut_with_error) = (0, 0);
+    for s in streams {
+        let (status, events) = s.await.unwrap();
+        assert_eq!(status, 200, "a request failed before its first byte");
+        let last = &events.last().expect("no event at all").1;
+        if last == "[DONE]" {
+            complete += 1;
+        } else {
+            assert!(last.contains("\"error\""), "a silent truncation: last event {last}");
+            cut_with_error += 1;
+        }
+    }
+    eprintln!("{complete} complete, {cut_with_error} ended with an error event");
+    assert!(cut_with_error > 0 && cut_with_error < 100, "the killed engine carried about a third");
+    // New requests afterwards all succeed.
+    let after = load(g.addr, 30, 6, json!({"model": MODEL, "prompt": "x", "max_tokens": 2})).await;
+    assert!(after.iter().all(|r| r.0 == 200), "{after:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_clients_leaving_after_five_tokens_free_the_engine() {
+    let engine = EngineProc::start(&["--sim-profile", "h100-llama3-8b"]);
+    let g = gateway(&[engine.url()], "");
+    wait_scraped(&g, 1).await;
+    let mut clients = Vec::new();
+    for i in 0..100 {
+        let addr = g.addr;
+        clients.push(tokio::spawn(async move {
+            let body = json!({"model": MODEL, "prompt": "hi", "max_tokens": 2000, "ignore_eos": true,
+                              "stream": true, "seed": i});
+            let mut r = post(addr, "/v1/completions", &body).await;
+            for _ in 0..5 {
+                r.next_event().await.expect("a token");
+            }
+            r.disconnect();
+            Instant::now()
+        }));
+    }
+    let mut last_leave = Instant::now();
+    for c in clients {
+        last_leave = last_leave.max(c.await.unwrap());
+    }
+    wait_for_metrics(engine.addr, Duration::from_secs(2), "every aborted request freed", |s| {
+        metric(s, "vllm:num_requests_running") == 0.0 && metric(s, "vllm:kv_cache_usage_perc") == 0.0
+    })
+    .await;
+    eprintln!("engine back to baseline {:?} after the last client left", last_leave.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_stream_resets_leave_the_other_streams_alone() {
+    use http_body_util::{BodyExt, Full};
+    let engine = FaultEngine::start(Fault::Slow { events: 20, gap_ms: 20 }).await;
+    let g = gateway(&[engine.url()], "");
+    wait_scraped(&g, 1).await;
+    let tcp = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+    let (sender, conn) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .expect("h2c handshake");
+    tokio::spawn(conn);
+    let request = |addr: SocketAddr| {
+        let body = json!({"model": "m", "prompt": "p", "stream": true}).to_string();
+        hyper::Request::post(format!("http://{addr}/v1/completions"))
+            .header("content-type", "application/json")
+            .body(Full::new(bytes::Bytes::from(body)))
+            .unwrap()
+    };
+    // Read a whole stream: (events, seconds it took).
+    let full = |mut sender: hyper::client::conn::http2::SendRequest<Full<bytes::Bytes>>, addr| async move {
+        let t = Instant::now();
+        let resp = sender.send_request(request(addr)).await.expect("h2 response");
+        assert_eq!(resp.status(), 200);
+        let text = String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+        (text.matches("data: ").count(), t.elapsed())
+    };
+    let (events, baseline) = full(sender.clone(), g.addr).await;
+    assert_eq!(events, 21);
+    // 49 streams run while 1,000 others are opened and reset after their first chunk.
+    let addr = g.addr;
+    let healthy: Vec<_> = (0..49).map(|_| tokio::spawn(full(sender.clone(), addr))).collect();
+    let resets = 1000;
+    let mut handles = Vec::new();
+    for _ in 0..resets {
+        let mut s = sender.clone();
+        handles.push(tokio::spawn(async move {
+            let resp = s.send_request(request(addr)).await.expect("h2 response");
+            let mut body = resp.into_body();
+            let _ = body.frame().await;
+            drop(body); // RST_STREAM(CANCEL)
+        }));
+        if handles.len() >= 25 {
+            for h in handles.drain(..) {
+                h.await.unwrap();
+            }
+        }
+    }
+    for h in handles {
+        h.await.unwrap();
+    }
+    for h in healthy {
+        let (events, _) = h.await.unwrap();
+        assert_eq!(events, 21, "a stream beside the resets was hurt");
+    }
+    let (events, after) = full(sender.clone(), g.addr).await;
+    assert_eq!(events, 21);
+    eprintln!("a stream took {baseline:?} before the resets and {after:?} after");
+    assert!(after < baseline + Duration::from_millis(200), "{after:?} vs {baseline:?}");
+    // Every reset stream's upstream request was closed.
+    let start = Instant::now();
+    while engine.seen.open.load(Ordering::SeqCst) > 3 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{} engine connections still open",
+            engine.seen.open.load(Ordering::SeqCst)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
