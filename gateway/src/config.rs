@@ -14,6 +14,7 @@ use serde::Deserialize;
 use crate::auth::AuthConfig;
 use crate::error::{ConfigError, FieldError};
 use crate::policy::PolicyConfig;
+use crate::tls::TlsConfig;
 
 /// Default `listen`.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
@@ -50,6 +51,8 @@ pub struct GatewayConfig {
     pub admission: AdmissionConfig,
     /// Passive health checking (ejection).
     pub health: HealthConfig,
+    /// TLS on `listen` (absent: plain HTTP/1.1 and h2c).
+    pub tls: Option<TlsConfig>,
     /// API keys and per-key limits.
     pub auth: AuthConfig,
     /// Graceful drain on SIGTERM (`shutdown` is the old name).
@@ -72,6 +75,7 @@ impl Default for GatewayConfig {
             retries: RetriesConfig::default(),
             admission: AdmissionConfig::default(),
             health: HealthConfig::default(),
+            tls: None,
             auth: AuthConfig::default(),
             drain: DrainConfig::default(),
         }
@@ -592,6 +596,9 @@ impl GatewayConfig {
             bad("health.max_ejection_percent".into(), self.health.max_ejection_percent.to_string(), "must be <= 100");
         }
         self.auth.validate(&mut errs);
+        if let Some(t) = &self.tls {
+            t.validate(&mut errs);
+        }
         if errs.is_empty() {
             Ok(())
         } else {

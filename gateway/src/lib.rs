@@ -28,6 +28,7 @@ pub mod request;
 pub mod retry;
 pub mod scrape;
 pub mod state;
+pub mod tls;
 
 use std::path::PathBuf;
 
@@ -58,13 +59,25 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
         ..ServerConf::default()
     };
     let (listen, admin_listen) = (config.listen.clone(), config.admin_listen.clone());
+    let certs = config.tls.as_ref().map(tls::CertStore::load).transpose().map_err(|e| anyhow::anyhow!("tls: {e}"))?;
+    let http2 = config.tls.as_ref().is_some_and(|t| t.http2);
     let state = state::GatewayState::new(config, metrics);
     let drain_state = state.clone();
 
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
     let mut proxy = Service::new("switchyard-proxy".into(), proxy::ProxyApp::new(state.clone()));
-    proxy.add_tcp(&listen);
+    match &certs {
+        Some(store) => {
+            let mut settings = pingora::listeners::tls::TlsSettings::intermediate("", "")?;
+            settings.set_cert_resolver(store.clone());
+            if http2 {
+                settings.enable_h2();
+            }
+            proxy.add_tls_with_settings(&listen, None, settings);
+        }
+        None => proxy.add_tcp(&listen),
+    }
     let mut admin = Service::new("switchyard-admin".into(), admin::AdminApp::new(state.clone()));
     admin.add_tcp(&admin_listen);
     server.add_service(proxy);
@@ -76,8 +89,8 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     if let Some(k) = state.active.load().config.discovery.kubernetes.clone() {
         server.add_service(background_service("kubernetes-discovery", k8s::K8sDiscovery::new(state.clone(), k)));
     }
-    server.add_service(background_service("config-reloader", reload::Reloader::new(state, config_path)));
-    tracing::info!(%listen, %admin_listen, threads, "switchyard-gateway starting");
+    server.add_service(background_service("config-reloader", reload::Reloader::new(state, config_path, certs.clone())));
+    tracing::info!(%listen, %admin_listen, threads, tls = certs.is_some(), "switchyard-gateway starting");
     server.run(RunArgs { shutdown_signal: Box::new(drain::DrainSignal::new(drain_state)) });
     Ok(())
 }

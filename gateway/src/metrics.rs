@@ -46,6 +46,8 @@ pub struct GatewayMetrics {
     /// Requests the gateway refused itself (auth, rate limits, header limits), by reason
     /// and tenant.
     pub rejected: IntCounterVec,
+    /// TLS certificate rotations by result.
+    pub certificate_reloads: IntCounterVec,
     /// Connections closed for not sending a request header within the deadline.
     pub header_timeouts: IntCounter,
     inflight: IntGaugeVec,
@@ -107,6 +109,10 @@ impl GatewayMetrics {
                 Opts::new("switchyard_rejected_total", "Requests refused by the gateway, by reason and tenant."),
                 &["reason", "tenant"],
             )?,
+            certificate_reloads: IntCounterVec::new(
+                Opts::new("switchyard_certificate_reloads_total", "TLS certificate rotations by result."),
+                &["result"],
+            )?,
             header_timeouts: IntCounter::new(
                 "switchyard_header_timeouts_total",
                 "Connections closed because a request header did not arrive within limits.header_read_timeout_ms.",
@@ -137,6 +143,7 @@ impl GatewayMetrics {
         m.registry.register(Box::new(m.queue_wait.clone()))?;
         m.registry.register(Box::new(m.rejected.clone()))?;
         m.registry.register(Box::new(m.header_timeouts.clone()))?;
+        m.registry.register(Box::new(m.certificate_reloads.clone()))?;
         m.registry.register(Box::new(m.prefix_match_ratio.clone()))?;
         m.registry.register(Box::new(m.prefix_index_bytes.clone()))?;
         m.registry.register(Box::new(m.inflight.clone()))?;

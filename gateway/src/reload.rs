@@ -22,6 +22,7 @@ use pingora::services::background::BackgroundService;
 
 use crate::config::GatewayConfig;
 use crate::state::GatewayState;
+use crate::tls::CertStore;
 
 /// How often the config file is checked.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(200);
@@ -32,12 +33,31 @@ pub const ACCESS_LOG_FLUSH: Duration = Duration::from_secs(1);
 pub struct Reloader {
     state: Arc<GatewayState>,
     path: PathBuf,
+    certs: Option<Arc<CertStore>>,
 }
 
 impl Reloader {
-    /// Watch `path` for `state`.
-    pub fn new(state: Arc<GatewayState>, path: PathBuf) -> Self {
-        Reloader { state, path }
+    /// Watch `path` for `state`, and the certificate files of `certs` when TLS is on.
+    pub fn new(state: Arc<GatewayState>, path: PathBuf, certs: Option<Arc<CertStore>>) -> Self {
+        Reloader { state, path, certs }
+    }
+
+    /// Rotate certificates whose files changed (a renewed Secret): new handshakes get
+    /// them, established connections are left alone; unusable files keep the old ones.
+    pub fn check_certificates(&self) {
+        let (Some(store), Some(cfg)) = (&self.certs, self.state.active.load().config.tls.clone()) else { return };
+        let counter = &self.state.metrics.certificate_reloads;
+        match store.reload_if_changed(&cfg) {
+            Ok(false) => {}
+            Ok(true) => {
+                counter.with_label_values(&["ok"]).inc();
+                tracing::info!("TLS certificates reloaded");
+            }
+            Err(e) => {
+                counter.with_label_values(&["error"]).inc();
+                tracing::error!(error = %e, "TLS certificate reload rejected; keeping the previous certificates");
+            }
+        }
     }
 
     /// Reload now if the file's content differs from `last`; returns the content seen.
@@ -102,6 +122,7 @@ impl BackgroundService for Reloader {
                     last = self.check(&last, false);
                     if flush_due.elapsed() >= ACCESS_LOG_FLUSH {
                         self.state.access_log.flush();
+                        self.check_certificates();
                         flush_due = std::time::Instant::now();
                     }
                     let every = self.state.active.load().config.discovery.resolve_interval_ms;

@@ -6,6 +6,7 @@
 pub mod client;
 pub mod fake_kube;
 pub mod fault;
+pub mod pki;
 pub mod procs;
 
 pub use client::*;
