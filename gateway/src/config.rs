@@ -51,8 +51,10 @@ pub struct GatewayConfig {
     pub admission: AdmissionConfig,
     /// Passive health checking (ejection).
     pub health: HealthConfig,
-    /// TLS on `listen` (absent: plain HTTP/1.1 and h2c).
+    /// TLS on `listen` (absent: plain HTTP/1.1, and h2c when `h2c` is on).
     pub tls: Option<TlsConfig>,
+    /// Accept cleartext HTTP/2 with prior knowledge (h2c) on a plain `listen` (read at start).
+    pub h2c: bool,
     /// API keys and per-key limits.
     pub auth: AuthConfig,
     /// Graceful drain on SIGTERM (`shutdown` is the old name).
@@ -76,6 +78,7 @@ impl Default for GatewayConfig {
             admission: AdmissionConfig::default(),
             health: HealthConfig::default(),
             tls: None,
+            h2c: true,
             auth: AuthConfig::default(),
             drain: DrainConfig::default(),
         }

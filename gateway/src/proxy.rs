@@ -68,10 +68,11 @@ pub struct ProxyApp {
 }
 
 impl ProxyApp {
-    /// A proxy over `state`; accepts HTTP/1.1 and cleartext HTTP/2 (h2c).
+    /// A proxy over `state`; accepts HTTP/1.1, and cleartext HTTP/2 (h2c) when the config's
+    /// `h2c` is on (HTTP/2 over TLS is negotiated by ALPN instead).
     pub fn new(state: Arc<GatewayState>) -> Self {
         let mut options = HttpServerOptions::default();
-        options.h2c = true;
+        options.h2c = state.active.load().config.h2c;
         ProxyApp { state, options }
     }
 }

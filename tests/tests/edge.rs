@@ -404,3 +404,87 @@ async fn the_admission_queue_lets_higher_priority_out_first() {
         .collect();
     assert_eq!(order, ["high", "mid", "low-1", "low-2"]);
 }
+
+/// Resident memory of a process, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 =
+        status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap().trim().trim_end_matches(" kB").parse().unwrap();
+    kb * 1024
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_over_the_limit_get_413_before_any_upstream_and_memory_stays_bounded() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let url = engine.url();
+    let g = GatewayProc::start(|l, a| {
+        with_extra(l, a, std::slice::from_ref(&url), "limits: { max_body_bytes: 1048576 }\n")
+    });
+    wait_scraped(&g, 1).await;
+    let before = rss(g.pid());
+    let connections_before = engine.seen.connections.load(std::sync::atomic::Ordering::SeqCst);
+    // 20 clients at once, each declaring 100 MB, and 20 streaming 8 MiB chunked without a length.
+    let mut clients = Vec::new();
+    for i in 0..40 {
+        let addr = g.addr;
+        clients.push(tokio::spawn(async move {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            if i % 2 == 0 {
+                s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n{")
+                    .await
+                    .unwrap();
+            } else {
+                s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+                    .await
+                    .unwrap();
+                let chunk = format!("{:x}\r\n{}\r\n", 64 * 1024, "x".repeat(64 * 1024));
+                for _ in 0..128 {
+                    if s.write_all(chunk.as_bytes()).await.is_err() {
+                        break; // the gateway answered and closed
+                    }
+                }
+            }
+            let mut out = Vec::new();
+            let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await;
+            String::from_utf8_lossy(&out).to_string()
+        }));
+    }
+    for c in clients {
+        let reply = c.await.unwrap();
+        assert!(reply.starts_with("HTTP/1.1 413"), "{reply:.200}");
+    }
+    let grown = rss(g.pid()).saturating_sub(before);
+    eprintln!("gateway RSS grew by {} KiB", grown / 1024);
+    assert!(grown < 64 * 1024 * 1024, "RSS grew by {grown} bytes");
+    assert_eq!(engine.posts(), 0);
+    let connections = engine.seen.connections.load(std::sync::atomic::Ordering::SeqCst) - connections_before;
+    // Only scrapes (about one connection per scrape round at most) reached the engine.
+    assert!(connections < 60, "{connections} engine connections");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2c_can_be_turned_off() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let url = engine.url();
+    let g = GatewayProc::start(|l, a| with_extra(l, a, std::slice::from_ref(&url), "h2c: false\n"));
+    wait_scraped(&g, 1).await;
+    let tcp = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+    let handshake = hyper::client::conn::http2::handshake::<_, _, http_body_util::Full<bytes::Bytes>>(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await;
+    let refused = match handshake {
+        Err(_) => true,
+        Ok((mut sender, conn)) => {
+            tokio::spawn(conn);
+            let req = hyper::Request::get(format!("http://{}/-/healthz", g.addr))
+                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                .unwrap();
+            sender.send_request(req).await.is_err()
+        }
+    };
+    assert!(refused, "an h2c request was served with h2c off");
+    assert_eq!(send(g.addr, "GET", "/-/healthz", "").await.status, 200, "HTTP/1.1 still works");
+}

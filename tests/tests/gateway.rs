@@ -265,6 +265,28 @@ async fn bad_requests_get_openai_errors_and_never_a_5xx() {
         assert_eq!(got, status, "{what}: {v}");
         assert!(v["error"]["message"].is_string() && v["error"]["type"].is_string(), "{what}: not OpenAI-shaped: {v}");
     }
+    // Huge numbers, wrong types and a 10,000-message chat: a 4xx from the gateway or the
+    // engine, never a 5xx.
+    let many: Vec<_> =
+        (0..10_000).map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": "hi"})).collect();
+    let odd = vec![
+        json!({"model": MODEL, "prompt": "a", "max_tokens": 1e300}),
+        json!({"model": MODEL, "prompt": "a", "max_tokens": -5}),
+        json!({"model": MODEL, "prompt": "a", "max_tokens": "ten"}),
+        json!({"model": MODEL, "prompt": "a", "temperature": 1e308, "max_tokens": 2}),
+        json!({"model": MODEL, "prompt": "a", "n": 18446744073709551615u64}),
+        json!({"model": MODEL, "messages": "not a list"}),
+        json!({"model": MODEL, "messages": many, "max_tokens": 2}),
+    ];
+    for body in odd {
+        let r = post(g.addr, "/v1/chat/completions", &body).await;
+        assert!((200..500).contains(&r.status), "{} for {:.200}", r.status, body.to_string());
+        r.text().await;
+    }
+    let huge_literal = format!("{{\"model\": \"{MODEL}\", \"prompt\": \"a\", \"max_tokens\": 1{}}}", "0".repeat(400));
+    let r = send(g.addr, "POST", "/v1/completions", huge_literal).await;
+    assert!((400..500).contains(&r.status), "{}", r.status);
+    r.text().await;
     // A seeded corpus of mutated bodies: never a 5xx, never a dead gateway.
     let valid = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
     let mut x: u64 = 0x9E3779B97F4A7C15;
