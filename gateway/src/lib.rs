@@ -18,6 +18,7 @@ pub mod config;
 pub mod dns;
 pub mod drain;
 pub mod error;
+pub mod fuzzing;
 pub mod k8s;
 pub mod metrics;
 pub mod policy;

@@ -2,14 +2,19 @@
 """The Helm chart, rendered by Helm itself and checked without a cluster.
 
 1. `helm lint` through the Helm library in `helm-sdkpy`.
-2. For the defaults, each values example of the README (`helm/examples/`: bundled CPU
-   engine, vLLM on GPUs with TP 4, KEDA autoscaling from zero) and every option on, the chart is installed with Helm's real
-   engine into a fake Kubernetes API server (`fake_kube.py`), which records every object.
+2. For the defaults, every values example in `helm/examples/` (bundled CPU engine, vLLM on
+   GPUs with TP 4, KEDA autoscaling from zero, the TLS + API-key edge) and every option on,
+   the chart is installed with Helm's real engine into a fake Kubernetes API server
+   (`fake_kube.py`), which records every object.
 3. Every recorded object of a built-in kind is validated against the Kubernetes 1.31 JSON
    schemas (`kubernetes-validate`, strict: unknown fields are errors); KEDA's ScaledObject and
    the ServiceMonitor are checked field by field.
 4. The gateway config the chart renders is accepted by `switchyard-gateway --validate`, and
-   the facts the chart promises hold (probes, drain timing, GPUs, RBAC, checksums).
+   the facts the chart promises hold (probes, drain timing, GPUs, RBAC, checksums, TLS and
+   API-key Secrets mounted where the config reads them). `--validate` reads the TLS
+   certificate and the keys file, so the Secrets the Deployment mounts are materialized the
+   way the kubelet would — a self-signed certificate made with `openssl`, a keys.yaml — in a
+   temporary directory, and the mount paths in the config are pointed there first.
 
 Usage: test_chart.py GATEWAY_BINARY (scripts/test-chart.sh sets up Python 3.12 and runs it).
 Exits non-zero with every failure listed.
@@ -39,12 +44,19 @@ SCENARIOS = {"defaults": {}}
 for f in sorted(os.listdir(EXAMPLES)):
     with open(os.path.join(EXAMPLES, f)) as fh:
         SCENARIOS[f.removesuffix(".yaml")] = yaml.safe_load(fh)
+OPS_KEY = {"tenant": "ops", "key_sha256": hashlib.sha256(b"sk-ops-inline").hexdigest(), "priority": 10}
 SCENARIOS["everything-on"] = {
-    "gateway": {"hpa": {"enabled": True}, "tls": {"secretName": "edge-tls"},
+    "gateway": {"hpa": {"enabled": True}, "tls": {"enabled": True, "secretName": "edge-tls", "http2": False},
+                "auth": {"enabled": True, "existingSecret": "api-keys", "keys": [OPS_KEY], "defaultMaxTokens": 1024},
+                "drain": {"gracePeriodSeconds": 40, "closeListenersAfterMs": 8000},
                 "service": {"type": "NodePort", "nodePort": 30080}},
     "serviceMonitor": {"enabled": True}, "networkPolicy": {"enabled": True},
     "engine": {"replicas": 3, "shim": {"drainTimeoutSeconds": 60}},
 }
+
+with open(os.path.join(CHART, "values.yaml")) as fh:
+    DEFAULTS = yaml.safe_load(fh)
+TLS_DIR, KEYS_DIR = "/etc/switchyard/tls", "/etc/switchyard/keys"
 
 failures = []
 
@@ -53,6 +65,76 @@ def check(cond, what):
     if not cond:
         failures.append(what)
     return cond
+
+
+def merged(base, over):
+    """Helm's coalescing of values: maps merge key by key, anything else replaces."""
+    out = dict(base)
+    for k, v in (over or {}).items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+_PKI = {}
+
+
+def self_signed(name):
+    """A self-signed certificate and its key for NAME (PEM), made once per run by openssl."""
+    if name not in _PKI:
+        d = tempfile.mkdtemp()
+        crt, key = os.path.join(d, "tls.crt"), os.path.join(d, "tls.key")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                        "-keyout", key, "-out", crt, "-days", "2", "-subj", f"/CN={name}",
+                        "-addext", f"subjectAltName=DNS:{name}"], check=True, capture_output=True)
+        with open(crt) as c, open(key) as k:
+            _PKI[name] = {"tls.crt": c.read(), "tls.key": k.read()}
+    return _PKI[name]
+
+
+# The keys.yaml of an API-key Secret: hashes only, with every per-key limit.
+SECRET_KEYS = [
+    {"tenant": "team-a", "key_sha256": hashlib.sha256(b"sk-team-a").hexdigest(), "requests_per_second": 5,
+     "burst": 10, "tokens_per_minute": 200000, "priority": 0},
+    {"tenant": "batch", "key_sha256": hashlib.sha256(b"sk-batch").hexdigest(), "tokens_per_minute": 2000000,
+     "priority": -1},
+]
+
+
+def secret_file(key):
+    """What a Secret the chart mounts holds under KEY, as it would in a cluster."""
+    if key in ("tls.crt", "tls.key"):
+        return self_signed(f"sy-switchyard-gateway.{NS}.svc")[key]
+    if key == "keys.yaml":
+        return yaml.safe_dump(SECRET_KEYS)
+    raise KeyError(f"no test content for a Secret key {key!r}")
+
+
+def materialize_secrets(text, pod_spec, ctr):
+    """The config TEXT with each Secret directory the container mounts laid out in a temporary
+    directory (one file per item, as the kubelet writes them) and its mount path pointed there.
+    Returns the new text and the mount paths the config referenced."""
+    root, used = tempfile.mkdtemp(), []
+    vols = {v["name"]: v for v in pod_spec.get("volumes", [])}
+    for m in ctr.get("volumeMounts", []):
+        sec = vols.get(m["name"], {}).get("secret")
+        if not sec:
+            continue
+        d = os.path.join(root, m["name"])
+        os.makedirs(d)
+        for item in sec.get("items") or [{"key": k, "path": k} for k in ("tls.crt", "tls.key", "keys.yaml")]:
+            with open(os.path.join(d, item["path"]), "w") as fh:
+                fh.write(secret_file(item["key"]))
+        prefix = m["mountPath"].rstrip("/") + "/"
+        if prefix in text:
+            used.append(m["mountPath"])
+            text = text.replace(prefix, d + "/")
+    return text, used
+
+
+def gateway_validate(gateway_bin, text):
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(text)
+    return subprocess.run([gateway_bin, "--config", f.name, "--validate"], capture_output=True, text=True)
 
 
 async def install(values):
@@ -90,11 +172,19 @@ def check_scenario(name, values, release, objs, gateway_bin):
     cm = by_kind(objs, "ConfigMap")
     if check(len(cm) == 1, f"{tag} one gateway ConfigMap"):
         text = cm[0]["data"]["gateway.yaml"]
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            f.write(text)
-        r = subprocess.run([gateway_bin, "--config", f.name, "--validate"], capture_output=True, text=True)
+        dep = by_kind(objs, "Deployment")[0]
+        pod = dep["spec"]["template"]["spec"]
+        # The Secrets' files where the config reads them, then the gateway's own validation.
+        local, used = materialize_secrets(text, pod, container(pod, "gateway"))
+        r = gateway_validate(gateway_bin, local)
         check(r.returncode == 0, f"{tag} switchyard-gateway --validate rejects the rendered config: {r.stdout}{r.stderr}")
+        if used:
+            # Control: --validate really reads those files (the unmaterialized paths do not exist here).
+            r = gateway_validate(gateway_bin, text)
+            check(r.returncode != 0 and any(p in r.stdout + r.stderr for p in used),
+                  f"{tag} --validate should fail on the Secret paths {used} that only exist in the pod: {r.stdout}{r.stderr}")
         cfg = yaml.safe_load(text)
+        check_edge(tag, merged(DEFAULTS, values), cfg, text, objs, release)
         k8s = cfg["discovery"].get("kubernetes", {})
         check(k8s == {"namespace": NS, "service": "sy-switchyard-engine", "port_name": "shim"},
               f"{tag} engines are discovered through the engine Service's EndpointSlices: {cfg['discovery']}")
@@ -143,7 +233,7 @@ def check_scenario(name, values, release, objs, gateway_bin):
     check(by_kind(objs, "PodDisruptionBudget"), f"{tag} a PodDisruptionBudget")
     notes = release.get("info", {}).get("notes") or ""
     model = values.get("engine", {}).get("model", "SmolLM2-135M-Instruct")
-    check("curl -s http://127.0.0.1:8080/v1/chat/completions" in notes and f'"model": "{model}"' in notes,
+    check("://127.0.0.1:8080/v1/chat/completions" in notes and f'"model": "{model}"' in notes,
           f"{tag} NOTES.txt has a working curl for the served model: {notes!r}")
 
     so = by_kind(objs, "ScaledObject")
@@ -166,9 +256,80 @@ def check_scenario(name, values, release, objs, gateway_bin):
     if values.get("gateway", {}).get("hpa", {}).get("enabled"):
         check(by_kind(objs, "HorizontalPodAutoscaler"), f"{tag} a gateway HPA")
         check("replicas" not in by_kind(objs, "Deployment")[0]["spec"], f"{tag} the HPA owns the gateway's replicas")
-    if values.get("gateway", {}).get("tls", {}).get("secretName"):
-        vols = by_kind(objs, "Deployment")[0]["spec"]["template"]["spec"]["volumes"]
-        check(any(v.get("secret", {}).get("secretName") == "edge-tls" for v in vols), f"{tag} the TLS secret is mounted")
+
+
+def secret_mount(pod, ctr, name):
+    """(volume, mount) of the volume NAME in the pod and the container (None when absent)."""
+    vol = next((v for v in pod.get("volumes", []) if v["name"] == name), None)
+    mnt = next((m for m in ctr.get("volumeMounts", []) if m["name"] == name), None)
+    return vol, mnt
+
+
+def check_edge(tag, v, cfg, text, objs, release):
+    """TLS, API keys and drain: values -> config, mounts, probes, Service, grace period."""
+    gwv = v["gateway"]
+    dep = by_kind(objs, "Deployment")[0]
+    pod = dep["spec"]["template"]["spec"]
+    gw = container(pod, "gateway")
+    notes = release.get("info", {}).get("notes") or ""
+    svc = next(o for o in by_kind(objs, "Service") if o["metadata"]["name"] == "sy-switchyard-gateway")
+    http_port = next(p for p in svc["spec"]["ports"] if p["name"] == "http")
+    ready, live = gw["readinessProbe"]["httpGet"], gw["livenessProbe"]["httpGet"]
+
+    check("request_body_ms" not in text and "shutdown" not in cfg,
+          f"{tag} no removed keys (timeouts.request_body_ms, shutdown) in the config")
+    check(cfg.get("limits", {}).get("body_read_timeout_ms", 1) > 0, f"{tag} limits.body_read_timeout_ms reads the body")
+
+    # Drain: the config's, and a pod grace period the kubelet waits out.
+    grace, close = gwv["drain"]["gracePeriodSeconds"], gwv["drain"]["closeListenersAfterMs"]
+    check(cfg.get("drain") == {"grace_period_secs": grace, "close_listeners_after_ms": close},
+          f"{tag} drain: is gateway.drain: {cfg.get('drain')}")
+    check(pod["terminationGracePeriodSeconds"] > cfg["drain"]["grace_period_secs"],
+          f"{tag} the gateway's terminationGracePeriodSeconds ({pod['terminationGracePeriodSeconds']}) outlasts "
+          f"its drain ({grace} s)")
+
+    # The admin port (liveness, metrics) is plain HTTP whatever gateway.tls says.
+    check(live == {"path": "/-/healthz", "port": "admin", "scheme": "HTTP"}, f"{tag} liveness is HTTP on admin: {live}")
+    vol, mnt = secret_mount(pod, gw, "tls")
+    if gwv["tls"]["enabled"]:
+        want = {"cert_file": f"{TLS_DIR}/tls.crt", "key_file": f"{TLS_DIR}/tls.key"}
+        if gwv["tls"].get("http2") is not None:
+            want["http2"] = gwv["tls"]["http2"]
+        check(cfg.get("tls") == want, f"{tag} tls: {cfg.get('tls')} != {want}")
+        check(vol and vol["secret"]["secretName"] == gwv["tls"]["secretName"]
+              and {i["key"] for i in vol["secret"].get("items", [])} == {"tls.crt", "tls.key"},
+              f"{tag} the kubernetes.io/tls Secret's tls.crt and tls.key are a volume: {vol}")
+        check(mnt and mnt["mountPath"] == TLS_DIR and mnt.get("readOnly") and "subPath" not in mnt,
+              f"{tag} the TLS Secret is mounted read-only as a directory (no subPath: renewals must reach the pod): {mnt}")
+        check(ready == {"path": "/-/ready", "port": "http", "scheme": "HTTPS"}, f"{tag} readiness speaks HTTPS: {ready}")
+        check(http_port.get("appProtocol") == "https", f"{tag} the Service's http port says https: {http_port}")
+        check("curl -sk https://127.0.0.1:8080/v1/chat/completions" in notes, f"{tag} NOTES.txt curls over HTTPS")
+    else:
+        check("tls" not in cfg and vol is None and mnt is None, f"{tag} no tls: block and no TLS volume without gateway.tls")
+        check(ready.get("scheme", "HTTP") == "HTTP", f"{tag} readiness is plain HTTP without TLS: {ready}")
+        check("appProtocol" not in http_port, f"{tag} no appProtocol without TLS")
+        check("curl -s http://127.0.0.1:8080/v1/chat/completions" in notes, f"{tag} NOTES.txt curls over HTTP")
+
+    vol, mnt = secret_mount(pod, gw, "api-keys")
+    auth = gwv["auth"]
+    if auth["enabled"]:
+        a = cfg.get("auth", {})
+        if auth.get("existingSecret"):
+            check(a.get("keys_file") == f"{KEYS_DIR}/keys.yaml", f"{tag} auth.keys_file is the mounted Secret's: {a}")
+            check(vol and vol["secret"]["secretName"] == auth["existingSecret"]
+                  and vol["secret"].get("items") == [{"key": "keys.yaml", "path": "keys.yaml"}],
+                  f"{tag} the API-key Secret's keys.yaml is a volume: {vol}")
+            check(mnt and mnt["mountPath"] == KEYS_DIR and mnt.get("readOnly") and "subPath" not in mnt,
+                  f"{tag} the API-key Secret is mounted read-only as a directory: {mnt}")
+        else:
+            check("keys_file" not in a and vol is None, f"{tag} no keys file without auth.existingSecret")
+        check(a.get("keys", []) == (auth.get("keys") or []), f"{tag} inline auth.keys are rendered: {a.get('keys')}")
+        if auth.get("defaultMaxTokens") is not None:
+            check(a.get("default_max_tokens") == auth["defaultMaxTokens"], f"{tag} auth.default_max_tokens: {a}")
+        check("Authorization: Bearer" in notes, f"{tag} NOTES.txt sends an API key")
+    else:
+        check("auth" not in cfg and vol is None and mnt is None, f"{tag} no auth: block and no key volume without gateway.auth")
+        check("Authorization" not in notes, f"{tag} NOTES.txt sends no API key without auth")
 
 
 async def main():
@@ -178,7 +339,16 @@ async def main():
     check(lint.get("Errors") is None, f"helm lint: {json.dumps(lint, default=str)}")
     # values.schema.json turns bad values away before anything renders.
     for bad, field in [({"engine": {"kind": "tgi"}}, "kind"), ({"gateway": {"service": {"type": "Ingress"}}}, "type"),
-                       ({"engine": {"shim": {"dialect": "x"}}}, "dialect")]:
+                       ({"engine": {"shim": {"dialect": "x"}}}, "dialect"),
+                       # TLS and API keys are never half on; the chart owns tls/auth/drain in the config.
+                       ({"gateway": {"tls": {"enabled": True}}}, "secretName"),
+                       ({"gateway": {"auth": {"enabled": True}}}, "auth"),
+                       ({"gateway": {"auth": {"enabled": True, "keys": [{"tenant": "a", "key_sha256": "sk-plain"}]}}},
+                        "key_sha256"),
+                       ({"gateway": {"config": {"tls": {"cert_file": "/x"}}}}, "config"),
+                       ({"gateway": {"drain": {"gracePeriodSeconds": 5, "closeListenersAfterMs": 6000}}},
+                        "closeListenersAfterMs"),
+                       ({"gateway": {"config": {"timeouts": {"request_body_ms": 30000}}}}, "body_read_timeout_ms")]:
         try:
             await install(bad)
             failures.append(f"values {bad} were accepted")

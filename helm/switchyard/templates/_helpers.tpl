@@ -48,10 +48,42 @@ Service (the gateway's Role allows get/list/watch): ready pods take requests, te
 ones finish what they serve and get nothing new; the sidecars' /load carries their load.
 */}}
 {{- define "switchyard.gatewayConfig" -}}
-{{- $cfg := deepCopy .Values.gateway.config -}}
-{{- $_ := set $cfg "listen" (printf "0.0.0.0:%d" (int .Values.gateway.port)) -}}
-{{- $_ := set $cfg "admin_listen" (printf "0.0.0.0:%d" (int .Values.gateway.adminPort)) -}}
+{{- $gw := .Values.gateway -}}
+{{- $cfg := deepCopy $gw.config -}}
+{{- if hasKey (default dict $cfg.timeouts) "request_body_ms" -}}
+{{- fail "gateway.config.timeouts.request_body_ms was removed from the gateway: set gateway.config.limits.body_read_timeout_ms instead" -}}
+{{- end -}}
+{{- $_ := set $cfg "listen" (printf "0.0.0.0:%d" (int $gw.port)) -}}
+{{- $_ := set $cfg "admin_listen" (printf "0.0.0.0:%d" (int $gw.adminPort)) -}}
 {{- $k8s := dict "namespace" .Release.Namespace "service" (include "switchyard.engine" .) "port_name" "shim" -}}
 {{- $_ := set $cfg "discovery" (dict "kubernetes" $k8s) -}}
+{{- if $gw.tls.enabled -}}
+{{- $_ := required "gateway.tls.secretName: the kubernetes.io/tls Secret to serve is needed when gateway.tls.enabled" $gw.tls.secretName -}}
+{{- $tls := dict "cert_file" (printf "%s/tls.crt" (include "switchyard.tlsDir" .)) "key_file" (printf "%s/tls.key" (include "switchyard.tlsDir" .)) -}}
+{{- if not (kindIs "invalid" $gw.tls.http2) -}}{{- $_ := set $tls "http2" $gw.tls.http2 -}}{{- end -}}
+{{- $_ := set $cfg "tls" $tls -}}
+{{- end -}}
+{{- if $gw.auth.enabled -}}
+{{- if not (or $gw.auth.existingSecret $gw.auth.keys) -}}
+{{- fail "gateway.auth.enabled needs gateway.auth.existingSecret (a Secret with keys.yaml) or gateway.auth.keys: without keys the gateway lets every request through" -}}
+{{- end -}}
+{{- $auth := dict -}}
+{{- with $gw.auth.keys -}}{{- $_ := set $auth "keys" . -}}{{- end -}}
+{{- if $gw.auth.existingSecret -}}{{- $_ := set $auth "keys_file" (printf "%s/keys.yaml" (include "switchyard.keysDir" .)) -}}{{- end -}}
+{{- if not (kindIs "invalid" $gw.auth.defaultMaxTokens) -}}{{- $_ := set $auth "default_max_tokens" (int64 $gw.auth.defaultMaxTokens) -}}{{- end -}}
+{{- $_ := set $cfg "auth" $auth -}}
+{{- end -}}
+{{- $drain := $gw.drain -}}
+{{- if gt (int64 $drain.closeListenersAfterMs) (mul (int64 $drain.gracePeriodSeconds) 1000) -}}
+{{- fail "gateway.drain.closeListenersAfterMs must not be past gateway.drain.gracePeriodSeconds" -}}
+{{- end -}}
+{{- $_ := set $cfg "drain" (dict "grace_period_secs" (int64 $drain.gracePeriodSeconds) "close_listeners_after_ms" (int64 $drain.closeListenersAfterMs)) -}}
 {{- toYaml $cfg -}}
 {{- end -}}
+
+{{/* Where the gateway's Secrets are mounted (directories, so renewed files appear live). */}}
+{{- define "switchyard.tlsDir" -}}/etc/switchyard/tls{{- end -}}
+{{- define "switchyard.keysDir" -}}/etc/switchyard/keys{{- end -}}
+
+{{/* The gateway pod's grace: the gateway's drain plus 5 s, so the kubelet never kills a draining gateway. */}}
+{{- define "switchyard.gatewayTerminationGrace" -}}{{ add (int64 .Values.gateway.drain.gracePeriodSeconds) 5 }}{{- end -}}
