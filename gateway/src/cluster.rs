@@ -104,6 +104,17 @@ pub struct Backend {
 }
 
 impl Backend {
+    /// Whether the engine is reached over TLS (`https://`).
+    pub fn tls(&self) -> bool {
+        self.url.starts_with("https://")
+    }
+
+    /// The host name (or IP) of the authority: the TLS server name.
+    pub fn host(&self) -> &str {
+        let host = self.authority.rsplit_once(':').map_or(self.authority.as_str(), |(h, _)| h);
+        host.trim_start_matches('[').trim_end_matches(']')
+    }
+
     /// A new backend with nothing known yet.
     pub fn new(spec: &BackendSpec) -> Self {
         let configured_models = spec.models.clone();

@@ -55,6 +55,8 @@ pub struct GatewayConfig {
     pub tls: Option<TlsConfig>,
     /// Accept cleartext HTTP/2 with prior knowledge (h2c) on a plain `listen` (read at start).
     pub h2c: bool,
+    /// TLS to `https://` backends (read at start).
+    pub upstream_tls: UpstreamTlsConfig,
     /// API keys and per-key limits.
     pub auth: AuthConfig,
     /// Graceful drain on SIGTERM (`shutdown` is the old name).
@@ -79,10 +81,19 @@ impl Default for GatewayConfig {
             health: HealthConfig::default(),
             tls: None,
             h2c: true,
+            upstream_tls: UpstreamTlsConfig::default(),
             auth: AuthConfig::default(),
             drain: DrainConfig::default(),
         }
     }
+}
+
+/// `upstream_tls`: how `https://` backends are verified.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct UpstreamTlsConfig {
+    /// PEM CA certificates that sign the engines' certificates (unset: the system's roots).
+    pub ca_file: Option<String>,
 }
 
 /// Backend discovery.
@@ -409,27 +420,27 @@ impl Default for DrainConfig {
 pub struct BackendAddr {
     /// `host:port` as written.
     pub authority: String,
+    /// `https://`: TLS to the engine (verified against `upstream_tls.ca_file`).
+    pub tls: bool,
 }
 
-/// Parse `http://host:port[/]`.
+/// Parse `http://host:port[/]` or `https://host:port[/]`.
 pub fn parse_backend_url(url: &str) -> Result<BackendAddr, String> {
-    let rest = url.strip_prefix("http://").ok_or_else(|| {
-        if url.starts_with("https://") {
-            "https upstreams are not supported yet; use http://host:port".to_string()
-        } else {
-            "must start with http://".to_string()
-        }
-    })?;
+    let (rest, tls) = match (url.strip_prefix("http://"), url.strip_prefix("https://")) {
+        (Some(r), _) => (r, false),
+        (_, Some(r)) => (r, true),
+        _ => return Err("must start with http:// or https://".to_string()),
+    };
     let authority = rest.strip_suffix('/').unwrap_or(rest);
     if authority.is_empty() || authority.contains('/') || authority.contains('@') {
-        return Err("must be http://host:port with no path".into());
+        return Err("must be http(s)://host:port with no path".into());
     }
     let (host, port) = authority.rsplit_once(':').ok_or("must include a port (http://host:port)")?;
     if host.is_empty() {
         return Err("host is empty".into());
     }
     port.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(|| format!("port {port:?} is not a number in 1..65535"))?;
-    Ok(BackendAddr { authority: authority.to_string() })
+    Ok(BackendAddr { authority: authority.to_string(), tls })
 }
 
 impl GatewayConfig {
@@ -601,6 +612,15 @@ impl GatewayConfig {
         self.auth.validate(&mut errs);
         if let Some(t) = &self.tls {
             t.validate(&mut errs);
+        }
+        if let Some(ca) = &self.upstream_tls.ca_file {
+            if let Err(e) = std::fs::read(ca) {
+                errs.push(FieldError {
+                    field: "upstream_tls.ca_file".into(),
+                    value: ca.clone(),
+                    reason: e.to_string(),
+                });
+            }
         }
         if errs.is_empty() {
             Ok(())

@@ -561,7 +561,7 @@ impl ProxyApp {
                 message: format!("{} does not resolve", backend.authority),
             });
         };
-        let mut peer = HttpPeer::new(addr, false, String::new());
+        let mut peer = HttpPeer::new(addr, backend.tls(), backend.host().to_string());
         peer.options.connection_timeout = Some(cfg.timeouts.connect());
         peer.options.total_connection_timeout = Some(cfg.timeouts.connect());
         peer.options.read_timeout = Some(cfg.timeouts.first_byte());

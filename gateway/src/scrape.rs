@@ -16,6 +16,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use pingora::server::ShutdownWatch;
@@ -34,7 +35,22 @@ const MAX_SCRAPE_BYTES: usize = 8 * 1024 * 1024;
 /// The scraper service.
 pub struct Scraper {
     state: Arc<GatewayState>,
-    client: Client<HttpConnector, Empty<Bytes>>,
+    client: Client<HttpsConnector<HttpConnector>, Empty<Bytes>>,
+}
+
+/// The TLS client config for `https://` backends: `upstream_tls.ca_file`, else the
+/// system's roots (as the proxy's pingora connector does).
+fn upstream_tls_config(ca_file: Option<&str>) -> pingora::tls::ClientConfig {
+    pingora::tls::install_default_crypto_provider();
+    let mut roots = pingora::tls::RootCertStore::empty();
+    let loaded = match ca_file {
+        Some(path) => pingora::tls::load_ca_file_into_store(path, &mut roots),
+        None => pingora::tls::load_platform_certs_incl_env_into_store(&mut roots),
+    };
+    if let Err(e) = loaded {
+        tracing::warn!(error = %e, "no CA certificates for https backends; their scrapes will fail");
+    }
+    pingora::tls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth()
 }
 
 impl Scraper {
@@ -42,12 +58,21 @@ impl Scraper {
     pub fn new(state: Arc<GatewayState>) -> Self {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build(http);
+        http.enforce_http(false);
+        let ca_file = state.active.load().config.upstream_tls.ca_file.clone();
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(upstream_tls_config(ca_file.as_deref()))
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
+        let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build(https);
         Scraper { state, client }
     }
 
-    async fn get(&self, addr: SocketAddr, path: &str) -> Result<String, String> {
-        let uri: hyper::Uri = format!("http://{addr}{path}").parse().map_err(|e| format!("{e}"))?;
+    /// GET `path` from backend `b` at `addr` (by name over TLS: the certificate is for it).
+    async fn get(&self, b: &Backend, addr: SocketAddr, path: &str) -> Result<String, String> {
+        let uri = if b.tls() { format!("https://{}{path}", b.authority) } else { format!("http://{addr}{path}") };
+        let uri: hyper::Uri = uri.parse().map_err(|e| format!("{e}"))?;
         let resp = self.client.get(uri).await.map_err(|e| format!("GET {path}: {e}"))?;
         if !resp.status().is_success() {
             return Err(format!("GET {path}: status {}", resp.status()));
@@ -60,8 +85,8 @@ impl Scraper {
         String::from_utf8(body.to_vec()).map_err(|_| format!("GET {path}: body is not UTF-8"))
     }
 
-    async fn models(&self, addr: SocketAddr) -> Result<Vec<String>, String> {
-        let text = self.get(addr, "/v1/models").await?;
+    async fn models(&self, b: &Backend, addr: SocketAddr) -> Result<Vec<String>, String> {
+        let text = self.get(b, addr, "/v1/models").await?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("/v1/models: {e}"))?;
         let ids = v["data"]
             .as_array()
@@ -80,17 +105,17 @@ impl Scraper {
                 let unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
                 let signal = match source {
                     SignalSource::Metrics => {
-                        let text = self.get(addr, "/metrics").await?;
+                        let text = self.get(b, addr, "/metrics").await?;
                         switchyard_shim::parse_load_signal(&text, unix_ms).map_err(|e| format!("/metrics: {e}"))?
                     }
                     SignalSource::Load => {
-                        let text = self.get(addr, "/load").await?;
+                        let text = self.get(b, addr, "/load").await?;
                         switchyard_shim::expose::parse_load_json(&text, unix_ms).map_err(|e| e.to_string())?
                     }
                 };
                 let refresh = b.configured_models.is_none()
                     && (prev.models.is_empty() || round.is_multiple_of(MODELS_REFRESH_EVERY));
-                let models = if refresh { Some(self.models(addr).await?) } else { None };
+                let models = if refresh { Some(self.models(b, addr).await?) } else { None };
                 Ok::<_, String>((signal, models))
             })
             .await

@@ -115,12 +115,14 @@ impl GatewayState {
         let policy = config.policy.build();
         let prefix = PrefixTracker::new(&config.prefix_index);
         let auth = build_auth(&config, None);
+        let mut connector_options = pingora::connectors::ConnectorOptions::new(128);
+        connector_options.ca_file = config.upstream_tls.ca_file.clone();
         let r = &config.retries;
         let retry_budget = RetryBudget::new(r.budget_percent, r.min_retries_per_second, std::time::Instant::now());
         Arc::new(GatewayState {
             prefix,
             active: ArcSwap::from_pointee(Active { config, policy, cluster, auth }),
-            connector: Connector::new(None),
+            connector: Connector::new(Some(connector_options)),
             metrics,
             draining: AtomicBool::new(false),
             access_log: AccessLog::stdout(),

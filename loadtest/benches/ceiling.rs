@@ -90,7 +90,7 @@ fn main() {
         let n = 300;
         reference_ttfts(&addr, 50).await; // warm-up
         let reference = reference_ttfts(&addr, n).await;
-        let client = OpenAiClient::new(None, Duration::from_secs(60));
+        let client = OpenAiClient::new(None, Duration::from_secs(60), None).expect("client");
         let target = Target { name: "e".into(), base_url: format!("http://{addr}") };
         let mut ours = Vec::with_capacity(n);
         for i in 0..(n + 50) {

@@ -109,6 +109,10 @@ pub struct RunArgs {
     /// API key (sent as a Bearer token).
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// PEM CA certificate(s) to trust for `https://` targets (default: none, so https
+    /// targets need this).
+    #[arg(long)]
+    pub ca_file: Option<PathBuf>,
     /// Per-request timeout.
     #[arg(long, default_value_t = 600.0)]
     pub timeout_s: f64,

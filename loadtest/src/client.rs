@@ -1,6 +1,7 @@
 //! The OpenAI client: one request, timed token by token.
 //!
-//! Requests go over a pooled HTTP/1.1 keep-alive client (hyper). A streamed response is
+//! Requests go over a pooled HTTP/1.1 keep-alive client (hyper; `https://` targets over
+//! rustls, trusting the CA given with `--ca-file`). A streamed response is
 //! parsed as SSE while it arrives: each `data:` event with non-empty content (chat
 //! `delta.content` or completions `text`) is a token arrival; the first gives TTFT, the
 //! gaps between them ITL. `usage` (sent when `stream_options.include_usage` is on) gives
@@ -11,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -54,8 +56,8 @@ impl std::str::FromStr for Target {
             return Err(format!("--target {s:?}: empty name"));
         }
         let url = url.trim_end_matches('/').trim_end_matches("/v1");
-        if !url.starts_with("http://") {
-            return Err(format!("--target {s:?}: the URL must start with http://"));
+        if !url.starts_with("http://") && !url.starts_with("https://") {
+            return Err(format!("--target {s:?}: the URL must start with http:// or https://"));
         }
         url.parse::<hyper::Uri>().map_err(|e| format!("--target {s:?}: {e}"))?;
         Ok(Target { name: name.to_string(), base_url: url.to_string() })
@@ -65,7 +67,7 @@ impl std::str::FromStr for Target {
 /// The shared HTTP client.
 #[derive(Clone)]
 pub struct OpenAiClient {
-    http: Client<HttpConnector, Full<Bytes>>,
+    http: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     api_key: Option<String>,
     timeout: Duration,
 }
@@ -91,16 +93,35 @@ pub struct CallResult {
 }
 
 impl OpenAiClient {
-    /// A client with an optional API key and a per-request timeout.
-    pub fn new(api_key: Option<String>, timeout: Duration) -> Self {
+    /// A client with an optional API key, a per-request timeout, and the CA certificates
+    /// (PEM) trusted for `https://` targets.
+    pub fn new(api_key: Option<String>, timeout: Duration, ca_file: Option<&std::path::Path>) -> anyhow::Result<Self> {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
-        http.enforce_http(true);
+        http.enforce_http(false);
+        let mut roots = rustls::RootCertStore::empty();
+        if let Some(path) = ca_file {
+            let pem = std::fs::read(path).map_err(|e| anyhow::anyhow!("--ca-file {}: {e}", path.display()))?;
+            use rustls::pki_types::pem::PemObject;
+            for cert in rustls::pki_types::CertificateDer::pem_slice_iter(&pem) {
+                roots.add(cert.map_err(|e| anyhow::anyhow!("--ca-file {}: {e}", path.display()))?)?;
+            }
+        }
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
         let http = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
             .pool_max_idle_per_host(usize::MAX)
-            .build(http);
-        OpenAiClient { http, api_key, timeout }
+            .build(https);
+        Ok(OpenAiClient { http, api_key, timeout })
     }
 
     /// Run one call; never fails, the outcome is in the record.

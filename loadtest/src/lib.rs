@@ -121,7 +121,7 @@ pub async fn execute(
     extra: serde_json::Value,
 ) -> anyhow::Result<(RunSummary, Vec<RequestRecord>)> {
     let slo = a.slo.as_deref().map(Slo::parse).transpose().map_err(|e| anyhow::anyhow!("--slo: {e}"))?;
-    let client = OpenAiClient::new(a.api_key.clone(), Duration::from_secs_f64(a.timeout_s));
+    let client = OpenAiClient::new(a.api_key.clone(), Duration::from_secs_f64(a.timeout_s), a.ca_file.as_deref())?;
     let mut all = Vec::new();
     let mut summaries = Vec::new();
     for (point, load) in plan.loads.iter().enumerate() {

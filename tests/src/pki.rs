@@ -12,6 +12,7 @@ use tokio_rustls::client::TlsStream;
 pub struct TestPki {
     issuer: Issuer<'static, KeyPair>,
     ca_der: CertificateDer<'static>,
+    ca_pem: String,
 }
 
 /// One issued certificate.
@@ -37,7 +38,12 @@ impl TestPki {
         let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         let cert = params.self_signed(&key).expect("CA certificate");
-        TestPki { ca_der: cert.der().clone(), issuer: Issuer::new(params, key) }
+        TestPki { ca_der: cert.der().clone(), ca_pem: cert.pem(), issuer: Issuer::new(params, key) }
+    }
+
+    /// The CA certificate, PEM.
+    pub fn ca_pem(&self) -> String {
+        self.ca_pem.clone()
     }
 
     /// A leaf certificate for `names`.
@@ -89,4 +95,34 @@ pub fn served_leaf(stream: &TlsStream<tokio::net::TcpStream>) -> Vec<u8> {
 /// The ALPN protocol agreed on.
 pub fn negotiated(stream: &TlsStream<tokio::net::TcpStream>) -> Option<Vec<u8>> {
     stream.get_ref().1.alpn_protocol().map(<[u8]>::to_vec)
+}
+
+/// A TLS terminator on a free loopback port in front of the plain `upstream`, serving
+/// `leaf`: an engine behind TLS. Stops when the handle is aborted.
+pub async fn tls_front(leaf: &Leaf, upstream: SocketAddr) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::PrivateKeyDer;
+    let certs = vec![CertificateDer::from_pem_slice(leaf.cert_pem.as_bytes()).unwrap()];
+    let key = PrivateKeyDer::from_pem_slice(leaf.key_pem.as_bytes()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let cfg = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else { return };
+                let Ok(mut plain) = tokio::net::TcpStream::connect(upstream).await else { return };
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+            });
+        }
+    });
+    (addr, task)
 }

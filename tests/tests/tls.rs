@@ -121,3 +121,46 @@ async fn certificates_rotate_without_dropping_connections() {
     let tls = pki.connect(g.addr, "a.test", &[b"http/1.1"]).await;
     assert_eq!(served_leaf(&tls), renewed.der, "the last good certificate is still served");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_backends_are_verified_against_the_configured_ca() {
+    let pki = TestPki::new();
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let (front, _task) = switchyard_testkit::pki::tls_front(&pki.issue(&["localhost"]), engine.addr).await;
+    let dir = scratch_dir("upstream-tls");
+    let ca = dir.join("ca.crt");
+    std::fs::write(&ca, pki.ca_pem()).unwrap();
+    let backend = format!("https://localhost:{}", front.port());
+    let trusting = GatewayProc::start(|l, a| {
+        format!(
+            "{}upstream_tls: {{ ca_file: {} }}\n",
+            gateway_yaml(l, a, std::slice::from_ref(&backend), "{ type: least_load }"),
+            ca.display()
+        )
+    });
+    wait_scraped(&trusting, 1).await;
+    let r = post(trusting.addr, "/v1/completions", &json!({"model": "m", "prompt": "p"})).await;
+    assert_eq!(r.status, 200, "through TLS to the engine");
+    r.text().await;
+    let posts = engine.posts();
+    assert_eq!(posts, 1);
+
+    // Without the CA the engine's certificate is not trusted: never up, nothing sent.
+    let other = TestPki::new();
+    let untrusted_ca = dir.join("other-ca.crt");
+    std::fs::write(&untrusted_ca, other.ca_pem()).unwrap();
+    // Scrapes fail (and would mark it down); declared models and a long scrape interval let
+    // the proxy itself try, and refuse, the connection.
+    let doubting = GatewayProc::start(|l, a| {
+        format!(
+            "listen: {l}\nadmin_listen: {a}\ndiscovery:\n  static:\n    - {{ url: {backend}, models: [m] }}\n\
+             scrape: {{ interval_ms: 60000, stale_after_ms: 60000, down_after_failures: 100 }}\nupstream_tls: {{ ca_file: {} }}\n",
+            untrusted_ca.display()
+        )
+    });
+    let r = post(doubting.addr, "/v1/completions", &json!({"model": "m", "prompt": "p"})).await;
+    assert_eq!(r.status, 502, "the engine's certificate is not trusted");
+    let b = backends(&doubting).await;
+    assert_ne!(b["backends"][0]["scrape_error"], serde_json::Value::Null, "{b}");
+    assert_eq!(engine.posts(), posts, "nothing reached the engine over an unverified connection");
+}
