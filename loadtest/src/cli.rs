@@ -19,6 +19,7 @@ pub struct Cli {
 
 /// Subcommands.
 #[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once per process; boxing would only obscure clap's derive
 pub enum Command {
     /// Run a workload against one or more OpenAI-compatible targets.
     Run(RunArgs),
