@@ -139,33 +139,13 @@ def main():
     targets = [("direct", fast), ("plain", plain), ("edge", edge)]
     common = ["--api-key", KEY, "--ca-file", ca]
 
-    def median(xs):
-        xs = sorted(xs)
-        return xs[len(xs) // 2]
-
-    def rounds(out, *args):
-        per = {name: [] for name, _ in targets}
-        for r in range(rounds_n):
-            for t in targets:
-                per[t[0]].append(base.loadtest(f"{out}-{r}-{t[0]}", [t], *common, *args)[t[0]])
-        return per
-
-    sat = rounds("saturation", "--concurrency", "64", "--duration-s", duration, "--warmup", "200")
-    for name, runs in sat.items():
-        for x in runs:
-            if x.get("failed", 0):
-                raise SystemExit(f"{name}: {x['failed']} failed requests; see {WORK}")
-    rps = {k: median([x["requests_per_s"] for x in v]) for k, v in sat.items()}
-    half = 0.5 * min(rps["plain"], rps["edge"])
-    lat_rounds = rounds("half-load", "--rate", f"{half:.1f}", "--duration-s", duration, "--warmup", "100")
-    lat = {k: {m: {q: median([x[m][q] for x in v]) for q in ["p50", "p99"]} for m in ["e2e_ms", "ttft_ms"]}
-           for k, v in lat_rounds.items()}
+    rps, half, lat = base.measure(targets, rounds_n, duration, ["plain", "edge"], *common)
 
     hs_seconds = 3 if quick else 5
-    hs = {"edge": median([handshakes_per_s(edge_port, hs_seconds) for _ in range(rounds_n)])}
+    hs = {"edge": base.median([handshakes_per_s(edge_port, hs_seconds) for _ in range(rounds_n)])}
     ngx_port = start_nginx_tls(cert, key, fast) if shutil.which("nginx") else None
     if ngx_port:
-        hs["nginx"] = median([handshakes_per_s(ngx_port, hs_seconds) for _ in range(rounds_n)])
+        hs["nginx"] = base.median([handshakes_per_s(ngx_port, hs_seconds) for _ in range(rounds_n)])
 
     def added(t, m, q):
         return lat[t][m][q] - lat["direct"][m][q]
