@@ -356,6 +356,36 @@ mod tests {
     }
 
     #[test]
+    fn keys_come_from_the_config_a_file_and_the_environment() {
+        let dir = std::env::temp_dir().join(format!("switchyard-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("keys.yaml");
+        std::fs::write(&file, format!("- {{ tenant: from-file, key_sha256: {} }}\n", hex::encode(key_digest("sk-f"))))
+            .unwrap();
+        let var = format!("SWITCHYARD_TEST_KEYS_{}", std::process::id());
+        std::env::set_var(
+            &var,
+            format!("[{{\"tenant\": \"from-env\", \"key_sha256\": \"{}\"}}]", hex::encode(key_digest("sk-e"))),
+        );
+        let cfg = AuthConfig {
+            keys: vec![key("inline", "sk-i")],
+            keys_file: Some(file.display().to_string()),
+            keys_env: Some(var.clone()),
+            ..AuthConfig::default()
+        };
+        let mut errs = Vec::new();
+        cfg.validate(&mut errs);
+        assert!(errs.is_empty(), "{errs:?}");
+        let auth = Authenticator::build(cfg.enabled(), cfg.all_keys().unwrap(), None);
+        for (secret, tenant) in [("sk-i", "inline"), ("sk-f", "from-file"), ("sk-e", "from-env")] {
+            let header = format!("Bearer {secret}");
+            assert_eq!(auth.authenticate(Some(header.as_bytes())).unwrap().unwrap().name, tenant);
+        }
+        std::env::remove_var(&var);
+        assert_eq!(cfg.all_keys().unwrap_err()[0].field, "auth.keys_env", "an unset variable is an error");
+    }
+
+    #[test]
     fn validation_names_each_bad_entry() {
         let mut bad = key("", "x");
         bad.key_sha256 = "abc".into();
