@@ -188,7 +188,7 @@ def main():
     _, ngx = start_nginx("nginx", fast)
     targets = [("direct", fast), ("nginx", ngx), ("gateway", gw)]
 
-    rps, half, lat = measure(targets, ROUNDS, DURATION, ["nginx", "gateway"])
+    rps, half, lat = measure(targets, ROUNDS, DURATION, ["nginx", "gateway"], "--prewarm-connections", "64")
 
     slow_procs = []
     _, slow = start_engine("--sim-profile", "h100-llama3-8b", "--max-num-seqs", "1100")

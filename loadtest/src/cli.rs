@@ -123,6 +123,11 @@ pub struct RunArgs {
     /// Do not send `ignore_eos` (outputs may end early).
     #[arg(long)]
     pub no_ignore_eos: bool,
+    /// Open this many keep-alive connections to each target before measuring (as a client
+    /// with a warm pool would have): without it an open-loop run against a TLS target starts
+    /// with a storm of handshakes.
+    #[arg(long, default_value_t = 0)]
+    pub prewarm_connections: usize,
 }
 
 /// Options of `cluster`.

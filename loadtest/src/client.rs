@@ -124,6 +124,30 @@ impl OpenAiClient {
         Ok(OpenAiClient { http, api_key, timeout })
     }
 
+    /// The first model `base_url/v1/models` lists.
+    pub async fn first_model(&self, base_url: &str) -> anyhow::Result<String> {
+        use anyhow::Context;
+        let mut req = hyper::Request::get(format!("{base_url}/v1/models"));
+        if let Some(k) = &self.api_key {
+            req = req.header("authorization", format!("Bearer {k}"));
+        }
+        let resp = self
+            .http
+            .request(req.body(Full::new(Bytes::new()))?)
+            .await
+            .with_context(|| format!("GET {base_url}/v1/models"))?;
+        let body = resp.into_body().collect().await?.to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).context("/v1/models is not JSON")?;
+        v["data"][0]["id"].as_str().map(str::to_string).context("no model listed by the first target; pass --model")
+    }
+
+    /// Fill the pool with `n` keep-alive connections to `base_url` (n concurrent
+    /// `GET /v1/models`).
+    pub async fn prewarm(&self, base_url: &str, n: usize) -> anyhow::Result<()> {
+        let results = futures_util::future::join_all((0..n).map(|_| self.first_model(base_url))).await;
+        results.into_iter().find(Result::is_err).unwrap_or(Ok(String::new())).map(|_| ())
+    }
+
     /// Run one call; never fails, the outcome is in the record.
     pub async fn call(&self, c: Call<'_>, mut record: RequestRecord) -> CallResult {
         let start = Instant::now();

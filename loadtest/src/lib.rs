@@ -82,7 +82,10 @@ pub async fn plan_from_args(a: &RunArgs) -> anyhow::Result<RunPlan> {
     }
     let model = match &a.model {
         Some(m) => m.clone(),
-        None => first_model(&a.targets[0].base_url, a.api_key.as_deref()).await?,
+        None => {
+            let client = OpenAiClient::new(a.api_key.clone(), Duration::from_secs(30), a.ca_file.as_deref())?;
+            client.first_model(&a.targets[0].base_url).await?
+        }
     };
     Ok(RunPlan {
         targets: a.targets.clone(),
@@ -100,20 +103,6 @@ pub async fn plan_from_args(a: &RunArgs) -> anyhow::Result<RunPlan> {
     })
 }
 
-async fn first_model(base_url: &str, api_key: Option<&str>) -> anyhow::Result<String> {
-    use http_body_util::{BodyExt, Empty};
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<Empty<bytes::Bytes>>();
-    let mut req = hyper::Request::get(format!("{base_url}/v1/models"));
-    if let Some(k) = api_key {
-        req = req.header("authorization", format!("Bearer {k}"));
-    }
-    let resp = client.request(req.body(Empty::new())?).await.with_context(|| format!("GET {base_url}/v1/models"))?;
-    let body = resp.into_body().collect().await?.to_bytes();
-    let v: serde_json::Value = serde_json::from_slice(&body).context("/v1/models is not JSON")?;
-    v["data"][0]["id"].as_str().map(str::to_string).context("no model listed by the first target; pass --model")
-}
-
 /// Run every sweep point against every target, then summarize and write the report.
 pub async fn execute(
     plan: &RunPlan,
@@ -126,6 +115,7 @@ pub async fn execute(
     let mut summaries = Vec::new();
     for (point, load) in plan.loads.iter().enumerate() {
         for target in &plan.targets {
+            client.prewarm(&target.base_url, a.prewarm_connections).await?;
             let label = format!("{} {}", target.name, load.label());
             let pb = runner::progress_bar(plan.requests, &label);
             let result = runner::run_point(plan, &client, target, point, pb).await;
