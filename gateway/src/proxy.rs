@@ -15,8 +15,10 @@
 //! 4. on pingora's pooled connector: connect, send header and body, wait for the response
 //!    header — while watching the client, so a client that leaves during a long prefill
 //!    closes the upstream connection and the engine aborts the request;
-//! 5. a connection failure, or a failure on a *reused* pooled connection before any response
-//!    byte, is retried on another backend (never after anything reached the client);
+//! 5. a connection failure, or the engine closing or resetting the connection before any
+//!    response byte (a dead pooled connection, a crashed engine), or an answer in
+//!    `retries.retry_on_status`, is retried on another backend within the retry budget
+//!    (never after anything reached the client; never after a first-byte timeout);
 //! 6. stream the body chunk by chunk as it arrives (chunked HTTP/1 writes are flushed
 //!    each time); if the engine dies mid-stream, an SSE stream ends with a final
 //!    `data: {"error": …}` event instead of a silent truncation;
@@ -591,7 +593,11 @@ impl ProxyApp {
                 error: ProxyError::UpstreamTimeout(cfg.timeouts.first_byte_ms),
             }),
             Err(e) if reused => Err(AttemptError::Retryable { kind: "reused_connection", message: e.to_string() }),
-            Err(e) => Err(AttemptError::Fatal { kind: "upstream_io", error: ProxyError::Upstream(e.to_string()) }),
+            // The engine closed or reset the connection before answering (it died, or is
+            // restarting): nothing reached the client, so another engine may take it —
+            // within the attempt limit and the retry budget, which also bound a request
+            // that kills every engine it reaches.
+            Err(e) => Err(AttemptError::Retryable { kind: "upstream_io", message: e.to_string() }),
         }
     }
 

@@ -77,6 +77,23 @@ async fn an_engine_refusing_connections_costs_no_client_an_error() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_dropping_requests_before_answering_costs_no_client_an_error() {
+    // Reads each request, then closes the connection: an engine that crashed mid-admission.
+    let dying = FaultEngine::start(Fault::Reset).await;
+    let healthy = FaultEngine::start(Fault::Healthy).await;
+    let g = gateway_with(
+        &[dying.url(), healthy.url()],
+        "{ type: round_robin }",
+        "health: { consecutive_failures: 1000 }\n",
+    );
+    wait_scraped(&g, 2).await;
+    let results = load(g.addr, 60, 4, ok("x")).await;
+    assert!(results.iter().all(|r| r.0 == 200), "{results:?}");
+    assert!(dying.posts() >= 20, "the dying engine was tried ({} times)", dying.posts());
+    assert_eq!(healthy.posts(), 60, "every request was served once, elsewhere");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn when_every_engine_says_503_retries_stay_within_the_budget() {
     let engines: Vec<FaultEngine> =
         futures_util::future::join_all((0..3).map(|_| FaultEngine::start(Fault::Status(503)))).await;
