@@ -72,7 +72,9 @@ def start_gateway(name, engine_url):
     cfg = os.path.join(WORK, f"{name}.yaml")
     with open(cfg, "w") as f:
         f.write(f"listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin}\nthreads: 2\n"
-                f"discovery:\n  static:\n    - url: {engine_url}\npolicy: {{ type: least_load }}\n")
+                f"discovery:\n  static:\n    - url: {engine_url}\npolicy: {{ type: least_load }}\n"
+                # e.g. SWITCHYARD_BENCH_GATEWAY_EXTRA='work_stealing: false' to compare settings
+                + os.environ.get("SWITCHYARD_BENCH_GATEWAY_EXTRA", "") + "\n")
     log = open(os.path.join(WORK, f"{name}.log"), "w")
     p = spawn([f"{BIN}/switchyard-gateway", "--config", cfg], stdout=log, stderr=log,
               env={**os.environ, "RUST_LOG": "info"})
