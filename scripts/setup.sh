@@ -8,6 +8,7 @@ command -v cc >/dev/null || need_apt+=(build-essential)
 command -v taskset >/dev/null || need_apt+=(util-linux)
 command -v curl >/dev/null || need_apt+=(curl)
 command -v cmake >/dev/null || need_apt+=(cmake)   # pingora's zlib-ng backend
+command -v openssl >/dev/null || need_apt+=(openssl)   # the chart test makes a throwaway certificate
 if ((${#need_apt[@]})); then
   echo "setup: installing ${need_apt[*]} (apt)"
   if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"; \
