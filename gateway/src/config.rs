@@ -420,17 +420,16 @@ impl Default for DrainConfig {
 pub struct BackendAddr {
     /// `host:port` as written.
     pub authority: String,
-    /// `https://`: TLS to the engine (verified against `upstream_tls.ca_file`).
-    pub tls: bool,
 }
 
 /// Parse `http://host:port[/]` or `https://host:port[/]`.
 pub fn parse_backend_url(url: &str) -> Result<BackendAddr, String> {
-    let (rest, tls) = match (url.strip_prefix("http://"), url.strip_prefix("https://")) {
-        (Some(r), _) => (r, false),
-        (_, Some(r)) => (r, true),
-        _ => return Err("must start with http:// or https://".to_string()),
-    };
+    // `https://` backends are reached over TLS (`Backend::tls`), verified against
+    // `upstream_tls.ca_file`.
+    let rest = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"))
+        .ok_or("must start with http:// or https://")?;
     let authority = rest.strip_suffix('/').unwrap_or(rest);
     if authority.is_empty() || authority.contains('/') || authority.contains('@') {
         return Err("must be http(s)://host:port with no path".into());
@@ -440,7 +439,7 @@ pub fn parse_backend_url(url: &str) -> Result<BackendAddr, String> {
         return Err("host is empty".into());
     }
     port.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(|| format!("port {port:?} is not a number in 1..65535"))?;
-    Ok(BackendAddr { authority: authority.to_string(), tls })
+    Ok(BackendAddr { authority: authority.to_string() })
 }
 
 impl GatewayConfig {

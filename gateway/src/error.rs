@@ -96,6 +96,17 @@ pub enum ProxyError {
 }
 
 impl ProxyError {
+    /// A key over its limit of `what` (`requests`, `tokens`) per `period`, allowed again after
+    /// `wait` (`Retry-After` rounds it up, at least 1 s).
+    pub fn rate_limited(what: &'static str, period: &'static str, tenant: &str, wait: std::time::Duration) -> Self {
+        ProxyError::RateLimited {
+            what,
+            period,
+            tenant: tenant.to_string(),
+            retry_after_secs: wait.as_secs_f64().ceil().max(1.0) as u64,
+        }
+    }
+
     /// HTTP status.
     pub fn status(&self) -> u16 {
         match self {

@@ -93,7 +93,6 @@ struct Log {
     retries: u32,
     error_kind: Option<&'static str>,
     stream: bool,
-    denied: Option<ProxyError>,
     tenant: Option<Arc<Tenant>>,
     /// What was charged to the tenant's token budget, and the prompt part of it.
     charged: Option<(u64, u64)>,
@@ -183,10 +182,8 @@ impl HttpServerApp for ProxyApp {
             let fields = session.req_header().headers.len();
             if let Err(e) = check_head(&h1.get_headers_raw_bytes(), fields, limits.max_header_bytes, limits.max_headers)
             {
-                self.state.metrics.rejected.with_label_values(&[e.kind(), ""]).inc();
                 session.set_keepalive(None);
-                let mut log = Log::default();
-                self.fail(&mut session, e, &mut log).await;
+                self.reject(&mut session, e, &mut Log::default()).await;
                 return None;
             }
         }
@@ -214,15 +211,13 @@ impl ProxyApp {
         let method = s.req_header().method.as_str().to_string();
         let path = s.req_header().uri.path().to_string();
         let mut log = Log::default();
+        let denied = if path.starts_with("/v1/") { self.authorize(s, &mut log).err() } else { None };
         let reusable = match (method.as_str(), path.as_str()) {
+            _ if denied.is_some() => self.reject(s, denied.expect("checked"), &mut log).await,
             ("GET", "/-/healthz") => respond(s, 200, "text/plain", Bytes::from_static(b"ok\n"), None).await,
             ("GET", "/-/ready") => {
                 let (status, body) = self.readiness();
                 respond(s, status, "text/plain", Bytes::from(body), None).await
-            }
-            _ if path.starts_with("/v1/") && !self.authorize(s, &mut log) => {
-                let e = log.denied.take().expect("authorize sets the refusal");
-                self.fail(s, e, &mut log).await
             }
             ("GET", "/v1/models") => {
                 let body = self.models_body();
@@ -242,37 +237,32 @@ impl ProxyApp {
         reusable
     }
 
-    /// The API key and its request rate, for `/v1/` requests; false with `log.denied` set
-    /// when refused.
-    fn authorize(&self, s: &ServerSession, log: &mut Log) -> bool {
+    /// The API key and its request rate, for `/v1/` requests; the key's tenant goes into
+    /// `log` (refused or not).
+    fn authorize(&self, s: &ServerSession, log: &mut Log) -> Result<(), ProxyError> {
         let active = self.state.active.load();
-        let denied = match active.auth.authenticate(s.get_header("authorization").map(|v| v.as_bytes())) {
-            Ok(None) => return true,
-            Ok(Some(tenant)) => match tenant.check_rate() {
-                Ok(()) => {
-                    log.tenant = Some(tenant);
-                    return true;
-                }
-                Err(wait) => {
-                    let e = ProxyError::RateLimited {
-                        what: "requests",
-                        period: "second",
-                        tenant: tenant.name.clone(),
-                        retry_after_secs: wait.as_secs_f64().ceil().max(1.0) as u64,
-                    };
-                    log.tenant = Some(tenant);
-                    e
-                }
-            },
-            Err(Denied::Missing) => {
-                ProxyError::Unauthorized("You didn't provide an API key. Send it as `Authorization: Bearer <key>`.")
+        match active.auth.authenticate(s.get_header("authorization").map(|v| v.as_bytes())) {
+            Ok(None) => Ok(()),
+            Ok(Some(tenant)) => {
+                let rate = tenant
+                    .check_rate()
+                    .map_err(|wait| ProxyError::rate_limited("requests", "second", &tenant.name, wait));
+                log.tenant = Some(tenant);
+                rate
             }
-            Err(Denied::Unknown) => ProxyError::Unauthorized("Incorrect API key provided."),
-        };
+            Err(Denied::Missing) => Err(ProxyError::Unauthorized(
+                "You didn't provide an API key. Send it as `Authorization: Bearer <key>`.",
+            )),
+            Err(Denied::Unknown) => Err(ProxyError::Unauthorized("Incorrect API key provided.")),
+        }
+    }
+
+    /// [`Self::fail`] for a request the gateway refuses on its own (header limits, keys,
+    /// rates), counted in `switchyard_rejected_total{reason,tenant}`.
+    async fn reject(&self, s: &mut ServerSession, e: ProxyError, log: &mut Log) -> bool {
         let tenant = log.tenant.as_ref().map_or("", |t| t.name.as_str());
-        self.state.metrics.rejected.with_label_values(&[denied.kind(), tenant]).inc();
-        log.denied = Some(denied);
-        false
+        self.state.metrics.rejected.with_label_values(&[e.kind(), tenant]).inc();
+        self.fail(s, e, log).await
     }
 
     /// Settle the tenant's token budget: refund what the request did not use, or take more.
@@ -397,15 +387,9 @@ impl ProxyApp {
             let prompt = cfg.prefix_index.tokens(body.len());
             let charge = prompt + fields.max_tokens.unwrap_or(cfg.auth.default_max_tokens);
             if let Err(wait) = budget.take(charge, Instant::now()) {
-                let tenant = log.tenant.as_ref().map_or(String::new(), |t| t.name.clone());
-                self.state.metrics.rejected.with_label_values(&["rate_limited_tokens", tenant.as_str()]).inc();
-                let e = ProxyError::RateLimited {
-                    what: "tokens",
-                    period: "minute",
-                    tenant,
-                    retry_after_secs: wait.as_secs_f64().ceil().max(1.0) as u64,
-                };
-                return self.fail(s, e, log).await;
+                let tenant = log.tenant.as_ref().map_or("", |t| t.name.as_str());
+                let e = ProxyError::rate_limited("tokens", "minute", tenant, wait);
+                return self.reject(s, e, log).await;
             }
             log.charged = Some((charge, prompt));
         }

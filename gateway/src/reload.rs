@@ -7,12 +7,11 @@
 //! `switchyard_config_reloads_total{result="error"}`.
 //!
 //! It also resolves backend host names again every `discovery.resolve_interval_ms` (see
-//! [`GatewayState::re_resolve`]) and writes out the buffered access log every second. On shutdown the service marks
-//! the gateway as draining, so `/-/ready` fails while
-//! in-flight streams finish within the grace period.
+//! [`GatewayState::re_resolve`]), writes out the buffered access log and rotates changed TLS
+//! certificates every second, and flushes the log once more at shutdown (the drain itself is
+//! [`crate::drain`]'s).
 
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -112,9 +111,8 @@ impl BackgroundService for Reloader {
             let hangup = std::future::pending::<()>();
             tokio::select! {
                 _ = shutdown.changed() => {
-                    self.state.draining.store(true, Ordering::SeqCst);
+                    // Readiness already fails: `drain` marked the gateway at SIGTERM.
                     self.state.access_log.flush();
-                    tracing::info!("shutdown: readiness now fails; draining in-flight requests");
                     return;
                 }
                 _ = hangup => last = self.check(&last, true),

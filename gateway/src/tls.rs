@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use pingora::tls::sign::CertifiedKey;
-use pingora::tls::{ClientHello, CryptoProvider, ResolvesServerCert, ServerName};
+use pingora::tls::CertificateDer;
+use pingora::tls::{ClientHello, CryptoProvider, PrivateKeyDer, ResolvesServerCert, ServerName};
+use rustls_pki_types::pem::PemObject;
 use serde::Deserialize;
 
 use crate::error::FieldError;
@@ -58,7 +60,7 @@ impl TlsConfig {
     /// Field-level problems (the files are read and parsed).
     pub fn validate(&self, errs: &mut Vec<FieldError>) {
         for (i, pair) in self.pairs().iter().enumerate() {
-            if let Err(reason) = load_pair(pair) {
+            if let Err(reason) = read_pair(pair).and_then(|(cert, key)| parse_pair(&cert, &key)) {
                 let field = if i == 0 { "tls.cert_file".to_string() } else { format!("tls.certs[{}]", i - 1) };
                 errs.push(FieldError { field, value: pair.cert_file.clone(), reason });
             }
@@ -66,84 +68,79 @@ impl TlsConfig {
     }
 }
 
-/// A loaded pair: the key rustls serves and the leaf certificate's DER for SNI matching.
-#[derive(Debug)]
-struct Loaded {
-    key: Arc<CertifiedKey>,
+/// The PEM bytes of a pair's certificate chain and key.
+fn read_pair(pair: &CertPair) -> Result<(Vec<u8>, Vec<u8>), String> {
+    let read = |p: &str| std::fs::read(p).map_err(|e| format!("cannot read {p}: {e}"));
+    Ok((read(&pair.cert_file)?, read(&pair.key_file)?))
 }
 
-fn load_pair(pair: &CertPair) -> Result<(Loaded, Vec<u8>), String> {
-    let read = |p: &str| std::fs::read(p).map_err(|e| format!("cannot read {p}: {e}"));
-    let (cert_pem, key_pem) = (read(&pair.cert_file)?, read(&pair.key_file)?);
-    let (certs, key) = pingora::tls::load_certs_and_key_files(&pair.cert_file, &pair.key_file)
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("no certificate in {} or no private key in {}", pair.cert_file, pair.key_file))?;
+/// What rustls serves for a PEM chain and key, checked: a usable key that belongs to a
+/// leaf certificate webpki can match names against.
+fn parse_pair(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<CertifiedKey>, String> {
+    let certs = CertificateDer::pem_slice_iter(cert_pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("bad certificate PEM: {e}"))?;
+    let leaf = certs.first().ok_or("no certificate in the chain file")?;
+    webpki::EndEntityCert::try_from(leaf).map_err(|e| format!("unusable certificate: {e}"))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| format!("no usable private key: {e}"))?;
     pingora::tls::install_default_crypto_provider();
     let provider = CryptoProvider::get_default().ok_or("no TLS crypto provider")?;
     let signing = provider.key_provider.load_private_key(key).map_err(|e| format!("unusable private key: {e}"))?;
-    webpki::EndEntityCert::try_from(&certs[0]).map_err(|e| format!("unusable certificate: {e}"))?;
     let key = Arc::new(CertifiedKey::new(certs, signing));
     key.keys_match().map_err(|e| format!("the key does not belong to the certificate: {e}"))?;
-    let mut fingerprint = cert_pem;
-    fingerprint.extend_from_slice(&key_pem);
-    Ok((Loaded { key }, fingerprint))
+    Ok(key)
 }
 
-/// The loaded set and the file contents it came from.
+/// The certificates in force: the pairs they were read from, the bytes read, and what
+/// rustls serves for each (same order, the default first).
 #[derive(Debug)]
 struct Set {
-    loaded: Vec<Loaded>,
-    files: Vec<u8>,
+    pairs: Vec<CertPair>,
+    files: Vec<(Vec<u8>, Vec<u8>)>,
+    keys: Vec<Arc<CertifiedKey>>,
+}
+
+impl Set {
+    /// Read and parse `pairs`; errors name the certificate file.
+    fn load(pairs: Vec<CertPair>) -> Result<Self, String> {
+        let files = pairs.iter().map(read_pair).collect::<Result<Vec<_>, _>>()?;
+        Self::parse(pairs, files)
+    }
+
+    fn parse(pairs: Vec<CertPair>, files: Vec<(Vec<u8>, Vec<u8>)>) -> Result<Self, String> {
+        let keys = pairs
+            .iter()
+            .zip(&files)
+            .map(|(p, (cert, key))| parse_pair(cert, key).map_err(|e| format!("{}: {e}", p.cert_file)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Set { pairs, files, keys })
+    }
 }
 
 /// Certificates by SNI, swappable under live listeners.
 #[derive(Debug)]
 pub struct CertStore {
-    pairs: ArcSwap<Vec<CertPair>>,
     set: ArcSwap<Set>,
 }
 
 impl CertStore {
     /// Load every pair of `cfg` (validated beforehand).
     pub fn load(cfg: &TlsConfig) -> Result<Arc<Self>, String> {
-        let pairs = cfg.pairs();
-        let set = load_set(&pairs)?;
-        Ok(Arc::new(CertStore { pairs: ArcSwap::from_pointee(pairs), set: ArcSwap::from_pointee(set) }))
+        Ok(Arc::new(CertStore { set: ArcSwap::from_pointee(Set::load(cfg.pairs())?) }))
     }
 
     /// Re-read the files (and take `cfg`'s pairs, which a config reload may have changed);
     /// swap in the new set when the bytes changed and all load. `Ok(true)` when swapped.
     pub fn reload_if_changed(&self, cfg: &TlsConfig) -> Result<bool, String> {
         let pairs = cfg.pairs();
-        let files = fingerprint(&pairs);
-        if *self.pairs.load().as_ref() == pairs && files.as_deref() == Some(self.set.load().files.as_slice()) {
+        let files = pairs.iter().map(read_pair).collect::<Result<Vec<_>, _>>()?;
+        let current = self.set.load();
+        if current.pairs == pairs && current.files == files {
             return Ok(false);
         }
-        let set = load_set(&pairs)?;
-        self.pairs.store(Arc::new(pairs));
-        self.set.store(Arc::new(set));
+        self.set.store(Arc::new(Set::parse(pairs, files)?));
         Ok(true)
     }
-}
-
-fn fingerprint(pairs: &[CertPair]) -> Option<Vec<u8>> {
-    let mut out = Vec::new();
-    for p in pairs {
-        out.extend(std::fs::read(&p.cert_file).ok()?);
-        out.extend(std::fs::read(&p.key_file).ok()?);
-    }
-    Some(out)
-}
-
-fn load_set(pairs: &[CertPair]) -> Result<Set, String> {
-    let mut loaded = Vec::new();
-    let mut files = Vec::new();
-    for p in pairs {
-        let (l, f) = load_pair(p).map_err(|e| format!("{}: {e}", p.cert_file))?;
-        loaded.push(l);
-        files.extend(f);
-    }
-    Ok(Set { loaded, files })
 }
 
 impl ResolvesServerCert for CertStore {
@@ -151,15 +148,16 @@ impl ResolvesServerCert for CertStore {
         let set = self.set.load();
         let wanted = hello.server_name().and_then(|n| ServerName::try_from(n).ok());
         if let Some(name) = wanted {
-            for l in &set.loaded {
-                let leaf = l.key.end_entity_cert().ok()?;
-                let valid = webpki::EndEntityCert::try_from(leaf)
-                    .is_ok_and(|c| c.verify_is_valid_for_subject_name(&name).is_ok());
+            for key in &set.keys {
+                let valid = key.end_entity_cert().is_ok_and(|leaf| {
+                    webpki::EndEntityCert::try_from(leaf)
+                        .is_ok_and(|c| c.verify_is_valid_for_subject_name(&name).is_ok())
+                });
                 if valid {
-                    return Some(l.key.clone());
+                    return Some(key.clone());
                 }
             }
         }
-        set.loaded.first().map(|l| l.key.clone())
+        set.keys.first().cloned()
     }
 }

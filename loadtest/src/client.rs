@@ -144,8 +144,10 @@ impl OpenAiClient {
     /// Fill the pool with `n` keep-alive connections to `base_url` (n concurrent
     /// `GET /v1/models`).
     pub async fn prewarm(&self, base_url: &str, n: usize) -> anyhow::Result<()> {
-        let results = futures_util::future::join_all((0..n).map(|_| self.first_model(base_url))).await;
-        results.into_iter().find(Result::is_err).unwrap_or(Ok(String::new())).map(|_| ())
+        for listed in futures_util::future::join_all((0..n).map(|_| self.first_model(base_url))).await {
+            listed?;
+        }
+        Ok(())
     }
 
     /// Run one call; never fails, the outcome is in the record.
