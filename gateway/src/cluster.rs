@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
+use pingora::upstreams::peer::HttpPeer;
 use switchyard_shim::LoadSignal;
 
 use crate::config::HealthConfig;
@@ -83,6 +84,9 @@ pub struct Backend {
     pub authority: String,
     /// Resolved address.
     pub addr: Option<SocketAddr>,
+    /// What pingora pools this backend's connections under (address, TLS, server name);
+    /// `None` while the address does not resolve. Timeouts are set per connection.
+    pub peer: Option<HttpPeer>,
     /// Models from the config, overriding `/v1/models`.
     pub configured_models: Option<Vec<String>>,
     /// Scraper output.
@@ -119,10 +123,11 @@ impl Backend {
     pub fn new(spec: &BackendSpec) -> Self {
         let configured_models = spec.models.clone();
         let models = configured_models.clone().unwrap_or_default();
-        Backend {
+        let mut backend = Backend {
             url: spec.url.trim_end_matches('/').to_string(),
             authority: spec.authority.clone(),
             addr: spec.addr,
+            peer: None,
             configured_models,
             scraped: ArcSwap::from_pointee(Scraped { models, ..Default::default() }),
             inflight: AtomicU64::new(0),
@@ -132,7 +137,9 @@ impl Backend {
             key: backend_key(spec.url.trim_end_matches('/')),
             pending_prefill_tokens: AtomicU64::new(0),
             prefill_rate_bits: AtomicU64::new(0),
-        }
+        };
+        backend.peer = spec.addr.map(|addr| HttpPeer::new(addr, backend.tls(), backend.host().to_string()));
+        backend
     }
 
     /// Learned prefill rate in tokens/s (0.0 until a sample was taken).

@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use pingora::connectors::http::Connector;
+use pingora::connectors::http::v1::Connector;
 
 use crate::access_log::AccessLog;
 use crate::admission::AdmissionQueue;
