@@ -8,6 +8,8 @@ use switchyard_gateway::GatewayConfig;
 
 /// Every request allocates header maps, buffers and small strings; glibc's malloc spent 14%
 /// of the gateway's CPU on them under load, mimalloc's thread-local free lists far less.
+/// Built without transparent huge pages (`no_thp`): with them, its 2 MiB pages tripled the
+/// gateway's RSS at 1,000 open streams (211 MB against 70 MB).
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
