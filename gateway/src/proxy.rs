@@ -631,14 +631,11 @@ impl ProxyApp {
         // body (a short or non-streamed answer), the response leaves with a Content-Length:
         // pingora then holds the header until the body is written and both go out in one
         // write. Otherwise it is chunked and pingora flushes the header at once.
-        let (mut data, mut next) = match up.read_body_bytes().now_or_never() {
-            Some(Ok(Some(chunk))) => coalesce(&mut up, chunk, &mut log.chunks),
-            Some(other) => (Bytes::new(), other),
-            None => (Bytes::new(), Ok(Some(Bytes::new()))),
-        };
-        let complete = matches!(next, Ok(None));
+        let mut buf = BytesMut::with_capacity(4096);
+        let mut next = take_ready(&mut up, &mut buf, &mut log.chunks);
+        let complete = matches!(next, Ok(Body::Ended));
         if !has_length && complete {
-            let _ = resp.insert_header("content-length", data.len().to_string());
+            let _ = resp.insert_header("content-length", buf.len().to_string());
         } else if !has_length && !s.is_http2() {
             let _ = resp.insert_header("transfer-encoding", "chunked");
         }
@@ -648,26 +645,26 @@ impl ProxyApp {
         }
         up.read_timeout = Some(cfg.timeouts.idle());
         loop {
-            let end = matches!(next, Ok(None));
-            if !data.is_empty() || end {
-                if !data.is_empty() && log.ttft.is_none() {
+            let end = matches!(next, Ok(Body::Ended));
+            if !buf.is_empty() || end {
+                if !buf.is_empty() && log.ttft.is_none() {
                     inflight.first_byte();
                     let t = started.elapsed();
                     log.ttft = Some(t);
                     self.state.metrics.ttft.with_label_values(&[backend.url.as_str()]).observe(t.as_secs_f64());
                 }
-                log.response_bytes += data.len();
+                log.response_bytes += buf.len();
                 if log.charged.is_some() {
-                    log.usage.observe(&data);
+                    log.usage.observe(&buf);
                 }
-                if s.write_response_body(std::mem::take(&mut data), end).await.is_err() {
+                if s.write_response_body(buf.split().freeze(), end).await.is_err() {
                     log.error_kind = Some("client_gone");
                     return false;
                 }
             }
             match next {
-                Ok(Some(_)) => {}
-                Ok(None) => {
+                Ok(Body::More) => {}
+                Ok(Body::Ended) => {
                     if let (true, Some(peer)) = (up.is_body_done(), &backend.peer) {
                         // Completes at once for a finished body (kept out of this future's
                         // state, where it would add 2 KB); if not, the connection closes.
@@ -695,7 +692,14 @@ impl ProxyApp {
                 }
             }
             let read = tokio::select! {
-                r = up.read_body_bytes() => r,
+                r = up.read_body_ref() => r.map(|chunk| match chunk {
+                    Some(chunk) => {
+                        log.chunks += 1;
+                        buf.extend_from_slice(chunk);
+                        Body::More
+                    }
+                    None => Body::Ended,
+                }),
                 _ = s.read_body_or_idle(true) => {
                     // The client left: dropping `up` closes the engine connection (abort).
                     log.error_kind = Some("client_gone");
@@ -703,9 +707,9 @@ impl ProxyApp {
                 }
             };
             // Chunks the engine sent together leave in one downstream write.
-            (data, next) = match read {
-                Ok(Some(chunk)) => coalesce(&mut up, chunk, &mut log.chunks),
-                other => (Bytes::new(), other),
+            next = match read {
+                Ok(Body::More) => take_ready(&mut up, &mut buf, &mut log.chunks),
+                other => other,
             };
         }
     }
@@ -776,27 +780,30 @@ async fn connect(
 /// Largest coalesced write.
 const COALESCE_BYTES: usize = 64 * 1024;
 
-/// Join `first` with every body chunk the upstream has already delivered (polled without
-/// waiting). Returns the bytes to write and what follows them: `Ok(Some(_))` keep reading,
-/// `Ok(None)` the body ended, `Err` the upstream failed.
-fn coalesce(up: &mut HttpSession, first: Bytes, chunks: &mut usize) -> (Bytes, pingora::Result<Option<Bytes>>) {
-    *chunks += 1;
-    let mut acc: Option<BytesMut> = None;
-    let mut next = Ok(Some(Bytes::new()));
-    while acc.as_ref().map_or(first.len(), BytesMut::len) < COALESCE_BYTES {
-        match up.read_body_bytes().now_or_never() {
-            Some(Ok(Some(more))) => {
+/// Where an upstream response body stands after a read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Body {
+    /// More may come.
+    More,
+    /// The body ended.
+    Ended,
+}
+
+/// Append to `buf` every body chunk the upstream has already delivered (polled without
+/// waiting, copied straight out of pingora's read buffer), up to [`COALESCE_BYTES`].
+fn take_ready(up: &mut HttpSession, buf: &mut BytesMut, chunks: &mut usize) -> pingora::Result<Body> {
+    while buf.len() < COALESCE_BYTES {
+        match up.read_body_ref().now_or_never() {
+            Some(Ok(Some(chunk))) => {
                 *chunks += 1;
-                acc.get_or_insert_with(|| BytesMut::from(&first[..])).extend_from_slice(&more);
+                buf.extend_from_slice(chunk);
             }
-            Some(done_or_err) => {
-                next = done_or_err;
-                break;
-            }
+            Some(Ok(None)) => return Ok(Body::Ended),
+            Some(Err(e)) => return Err(e),
             None => break,
         }
     }
-    (acc.map_or(first, BytesMut::freeze), next)
+    Ok(Body::More)
 }
 
 /// Read the request body within the size cap and deadline.
