@@ -22,6 +22,7 @@ pub mod fuzzing;
 pub mod k8s;
 pub mod metrics;
 pub mod policy;
+pub mod pool;
 pub mod prefix;
 pub mod proxy;
 pub mod reload;

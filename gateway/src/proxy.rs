@@ -39,7 +39,7 @@ use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::v1::client::HttpSession;
 use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
-use pingora::upstreams::peer::HttpPeer;
+use pingora::upstreams::peer::{HttpPeer, Peer};
 
 use crate::access_log::{now_ms, AccessLine};
 use crate::admission::Ticket;
@@ -549,11 +549,14 @@ impl ProxyApp {
                 message: format!("{} does not resolve", backend.authority),
             });
         };
-        // A pooled connection first: that future is small. Connecting (TCP, maybe TLS) is a
-        // future of ~9 KB that would otherwise be inlined into every request's state machine
-        // and copied when pingora boxes it, so it gets its own box, on the rare path only.
-        let (mut up, reused) = match self.state.connector.reused_http_session(peer).await {
-            Some(up) => (up, true),
+        // A pooled connection first. Connecting (TCP, maybe TLS) is a future of ~9 KB that
+        // would otherwise be inlined into every request's state machine and copied when
+        // pingora boxes it, so it gets its own box, on the rare path only.
+        // Keyed by what the connection was opened for (address, TLS, server name), so a
+        // backend whose name now resolves elsewhere does not get its old connections.
+        let pooled = self.state.pool.take(peer.reuse_hash(), Instant::now());
+        let (mut up, reused) = match pooled {
+            Some(stream) => (HttpSession::new_with_options(stream, peer), true),
             None => match Box::pin(connect(&self.state.connector, peer, cfg)).await {
                 Ok(x) => x,
                 Err(e) => return Err(AttemptError::Retryable { kind: "connect", message: e.to_string() }),
@@ -666,10 +669,12 @@ impl ProxyApp {
                 Ok(Body::More) => {}
                 Ok(Body::Ended) => {
                     if let (true, Some(peer)) = (up.is_body_done(), &backend.peer) {
+                        up.respect_keepalive();
                         // Completes at once for a finished body (kept out of this future's
                         // state, where it would add 2 KB); if not, the connection closes.
-                        let release = self.state.connector.release_http_session(up, peer, Some(UPSTREAM_IDLE));
-                        let _ = release.now_or_never();
+                        if let Some(Some(stream)) = up.reuse().now_or_never() {
+                            self.state.pool.put(peer.reuse_hash(), stream, Instant::now());
+                        }
                     }
                     return true;
                 }
@@ -761,9 +766,6 @@ fn routable(active: &Active, model: &str, tried: &[usize]) -> (Vec<crate::policy
     (candidates, known)
 }
 
-/// How long an idle pooled engine connection is kept.
-const UPSTREAM_IDLE: Duration = Duration::from_secs(60);
-
 /// Open a new connection to `peer` with the configured timeouts.
 async fn connect(
     connector: &pingora::connectors::http::v1::Connector,
@@ -773,7 +775,6 @@ async fn connect(
     let mut peer = peer.clone();
     peer.options.connection_timeout = Some(cfg.timeouts.connect());
     peer.options.total_connection_timeout = Some(cfg.timeouts.connect());
-    peer.options.idle_timeout = Some(UPSTREAM_IDLE);
     connector.get_http_session(&peer).await
 }
 

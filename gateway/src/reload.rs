@@ -7,8 +7,8 @@
 //! `switchyard_config_reloads_total{result="error"}`.
 //!
 //! It also resolves backend host names again every `discovery.resolve_interval_ms` (see
-//! [`GatewayState::re_resolve`]), writes out the buffered access log and rotates changed TLS
-//! certificates every second, and flushes the log once more at shutdown (the drain itself is
+//! [`GatewayState::re_resolve`]), writes out the buffered access log, rotates changed TLS
+//! certificates and sweeps the idle engine connections ([`crate::pool`]) every second, and flushes the log once more at shutdown (the drain itself is
 //! [`crate::drain`]'s).
 
 use std::path::PathBuf;
@@ -121,6 +121,7 @@ impl BackgroundService for Reloader {
                     if flush_due.elapsed() >= ACCESS_LOG_FLUSH {
                         self.state.access_log.flush();
                         self.check_certificates();
+                        self.state.pool.sweep(std::time::Instant::now());
                         flush_due = std::time::Instant::now();
                     }
                     let every = self.state.active.load().config.discovery.resolve_interval_ms;

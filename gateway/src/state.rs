@@ -47,12 +47,19 @@ fn build_auth(config: &GatewayConfig, previous: Option<&Authenticator>) -> Arc<A
     Arc::new(Authenticator::build(config.auth.enabled(), keys, previous))
 }
 
+/// Idle connections kept per backend (NGINX's `keepalive`).
+pub const UPSTREAM_MAX_IDLE: usize = 256;
+/// How long an idle engine connection is kept.
+pub const UPSTREAM_IDLE: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Shared state.
 pub struct GatewayState {
     /// Config + policy + backends.
     pub active: ArcSwap<Active>,
-    /// Pooled upstream connections (pingora).
+    /// Opens upstream connections (pingora; TCP, TLS).
     pub connector: Connector,
+    /// Idle upstream connections for reuse.
+    pub pool: crate::pool::UpstreamPool,
     /// Metrics.
     pub metrics: GatewayMetrics,
     /// Set on shutdown: readiness fails so load balancers stop sending.
@@ -123,6 +130,7 @@ impl GatewayState {
             prefix,
             active: ArcSwap::from_pointee(Active { config, policy, cluster, auth }),
             connector: Connector::new(Some(connector_options)),
+            pool: crate::pool::UpstreamPool::new(UPSTREAM_MAX_IDLE, UPSTREAM_IDLE),
             metrics,
             draining: AtomicBool::new(false),
             access_log: AccessLog::stdout(),
