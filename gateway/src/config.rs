@@ -33,6 +33,10 @@ pub struct GatewayConfig {
     pub admin_listen: String,
     /// Worker threads of the proxy (0 = one per CPU).
     pub threads: usize,
+    /// One work-stealing runtime over the worker threads (true), or one single-threaded
+    /// runtime per thread, each serving the connections it accepted (false, NGINX's model).
+    /// Read at start.
+    pub work_stealing: bool,
     /// Where backends come from.
     pub discovery: DiscoveryConfig,
     /// Metric scraping.
@@ -70,6 +74,7 @@ impl Default for GatewayConfig {
             listen: DEFAULT_LISTEN.into(),
             admin_listen: DEFAULT_ADMIN_LISTEN.into(),
             threads: 0,
+            work_stealing: true,
             discovery: DiscoveryConfig::default(),
             scrape: ScrapeConfig::default(),
             policy: PolicyConfig::default(),
@@ -695,6 +700,18 @@ retries: { max_attempts: 3 }
         assert_eq!(cfg.discovery.static_backends.len(), 2);
         assert_eq!(cfg.retries.max_attempts, 3);
         assert_eq!(GatewayConfig::parse("").unwrap(), GatewayConfig::default());
+    }
+
+    /// The configuration reference in the README has only keys and types this version knows
+    /// (deserialized, not validated: the files it names exist in a pod, not here).
+    #[test]
+    fn the_readme_reference_parses() {
+        let readme = include_str!("../../README.md");
+        let section = readme.split("### `switchyard-gateway --config").nth(1).expect("README has the gateway section");
+        let yaml = section.split("```yaml\n").nth(1).and_then(|b| b.split("```").next()).expect("a yaml block");
+        let cfg: GatewayConfig = serde_yaml::from_str(yaml).unwrap_or_else(|e| panic!("README gateway config: {e}"));
+        assert!(cfg.work_stealing);
+        assert_eq!(cfg.discovery.static_backends.len(), 2);
     }
 
     #[test]

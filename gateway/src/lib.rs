@@ -62,6 +62,7 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     };
     let conf = ServerConf {
         threads,
+        work_stealing: config.work_stealing,
         // pingora sleeps this long after closing the listeners; `drain` exits earlier
         // when nothing is left in flight.
         grace_period_seconds: Some(
