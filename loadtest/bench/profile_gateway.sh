@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Instructions the gateway spends per request, counted by callgrind (repeatable where
+# timings on a shared machine are not): an `instant` sim engine, the release gateway under
+# `valgrind --tool=callgrind`, and N streamed 16-in/16-out completions at concurrency 8 on
+# 8 keep-alive connections opened first. Prints the total, which includes the gateway's
+# start-up (~65M, mostly parsing the system CA bundle), and the profile file for
+# `callgrind_annotate`.
+#
+# Usage: loadtest/bench/profile_gateway.sh [REQUESTS]   (default 3000; takes ~1 minute)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+N="${1:-3000}"
+command -v valgrind >/dev/null || apt-get install -y -qq valgrind
+cargo build --release --locked -p switchyard-engine -p switchyard-gateway -p switchyard-loadtest
+B=target/release
+W=.cache/bench/profile-gateway
+rm -rf "$W" && mkdir -p "$W"
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+ENGINE_PORT=$(free_port) GW_PORT=$(free_port) ADMIN_PORT=$(free_port)
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
+RUST_LOG=warn $B/switchyard-engine --host 127.0.0.1 --port "$ENGINE_PORT" --backend sim --sim-profile instant >"$W/engine.log" 2>&1 &
+pids+=($!)
+cat >"$W/gateway.yaml" <<YAML
+listen: 127.0.0.1:$GW_PORT
+admin_listen: 127.0.0.1:$ADMIN_PORT
+threads: 2
+discovery:
+  static:
+    - url: http://127.0.0.1:$ENGINE_PORT
+policy: { type: least_load }
+YAML
+RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$W/callgrind.out" \
+  $B/switchyard-gateway --config "$W/gateway.yaml" >"$W/gateway.log" 2>&1 &
+GW=$!
+pids+=($GW)
+for _ in $(seq 1 300); do
+  curl -fs -o /dev/null "http://127.0.0.1:$GW_PORT/-/ready" && break
+  sleep 0.2
+done
+$B/switchyard-loadtest run --endpoint completions --target "gateway=http://127.0.0.1:$GW_PORT" \
+  --input-len 16 --output-len 16 --concurrency 8 --requests "$N" --prewarm-connections 8 \
+  --out "$W/loadtest" 2>&1 | grep "req/s"
+kill -INT "$GW"
+wait "$GW" 2>/dev/null || true
+total=$(callgrind_annotate "$W/callgrind.out" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
+echo "gateway instructions: $total in all for $N requests (start-up included); profile: $W/callgrind.out"
