@@ -7,7 +7,7 @@
 # else python3.12 on PATH. Its packages go into a virtualenv under .cache (once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GATEWAY="${1:-target/debug/switchyard-gateway}"
+GATEWAY="${1:-${CARGO_TARGET_DIR:-target}/debug/switchyard-gateway}"
 [ -x "$GATEWAY" ] || { echo "test-chart: $GATEWAY is missing: build the workspace first" >&2; exit 1; }
 PY=""
 if command -v pyenv >/dev/null; then

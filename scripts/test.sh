@@ -9,4 +9,4 @@ profile=default
 cargo build --workspace --all-targets --locked
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo nextest run --workspace --locked --profile "$profile" "$@"
-scripts/test-chart.sh target/debug/switchyard-gateway
+scripts/test-chart.sh "${CARGO_TARGET_DIR:-target}/debug/switchyard-gateway"
