@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use pingora::upstreams::peer::HttpPeer;
+use pingora::upstreams::peer::{HttpPeer, Peer};
 use switchyard_shim::LoadSignal;
 
 use crate::config::HealthConfig;
@@ -84,9 +84,12 @@ pub struct Backend {
     pub authority: String,
     /// Resolved address.
     pub addr: Option<SocketAddr>,
-    /// What pingora pools this backend's connections under (address, TLS, server name);
-    /// `None` while the address does not resolve. Timeouts are set per connection.
+    /// Where and how connections are opened (address, TLS, server name); `None` while the
+    /// address does not resolve. Timeouts are set per connection.
     pub peer: Option<HttpPeer>,
+    /// The peer's reuse hash, computed once: idle connections are pooled under it
+    /// ([`crate::pool`]), so a name that now resolves elsewhere gets no old connections.
+    pub pool_key: u64,
     /// Models from the config, overriding `/v1/models`.
     pub configured_models: Option<Vec<String>>,
     /// Scraper output.
@@ -128,6 +131,7 @@ impl Backend {
             authority: spec.authority.clone(),
             addr: spec.addr,
             peer: None,
+            pool_key: 0,
             configured_models,
             scraped: ArcSwap::from_pointee(Scraped { models, ..Default::default() }),
             inflight: AtomicU64::new(0),
@@ -139,6 +143,7 @@ impl Backend {
             prefill_rate_bits: AtomicU64::new(0),
         };
         backend.peer = spec.addr.map(|addr| HttpPeer::new(addr, backend.tls(), backend.host().to_string()));
+        backend.pool_key = backend.peer.as_ref().map_or(0, Peer::reuse_hash);
         backend
     }
 

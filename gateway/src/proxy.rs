@@ -12,8 +12,8 @@
 //! 2. parse just `model` and `stream` ([`crate::request`]); the body is forwarded untouched;
 //! 3. build candidates from the current snapshot (backends serving the model, up, not yet
 //!    tried) and let the policy pick; count the request in flight at once;
-//! 4. on pingora's pooled connector: connect, send header and body, wait for the response
-//!    header — while watching the client, so a client that leaves during a long prefill
+//! 4. take an idle connection from [`crate::pool`] (or connect with pingora's connector),
+//!    send header and body, wait for the response header — while watching the client, so a client that leaves during a long prefill
 //!    closes the upstream connection and the engine aborts the request;
 //! 5. a connection failure, or the engine closing or resetting the connection before any
 //!    response byte (a dead pooled connection, a crashed engine), or an answer in
@@ -21,8 +21,9 @@
 //!    (never after anything reached the client; never after a first-byte timeout);
 //! 6. stream the body chunk by chunk as it arrives (chunked HTTP/1 writes are flushed
 //!    each time; a body that is complete when its header arrives leaves with a
-//!    `Content-Length`, header and body in one write); if the engine dies mid-stream, an SSE stream ends with a final
-//!    `data: {"error": …}` event instead of a silent truncation;
+//!    `Content-Length`, header and body in one write); if the engine dies mid-stream, an
+//!    SSE stream ends with a final `data: {"error": …}` event instead of a silent
+//!    truncation;
 //! 7. release the upstream connection to the pool only after a clean end.
 //!
 //! Every request leaves one JSON access-log line ([`crate::access_log`]).
@@ -39,7 +40,7 @@ use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::v1::client::HttpSession;
 use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
-use pingora::upstreams::peer::{HttpPeer, Peer};
+use pingora::upstreams::peer::HttpPeer;
 
 use crate::access_log::{now_ms, AccessLine};
 use crate::admission::Ticket;
@@ -552,9 +553,7 @@ impl ProxyApp {
         // A pooled connection first. Connecting (TCP, maybe TLS) is a future of ~9 KB that
         // would otherwise be inlined into every request's state machine and copied when
         // pingora boxes it, so it gets its own box, on the rare path only.
-        // Keyed by what the connection was opened for (address, TLS, server name), so a
-        // backend whose name now resolves elsewhere does not get its old connections.
-        let pooled = self.state.pool.take(peer.reuse_hash(), Instant::now());
+        let pooled = self.state.pool.take(backend.pool_key, Instant::now());
         let (mut up, reused) = match pooled {
             Some(stream) => (HttpSession::new_with_options(stream, peer), true),
             None => match Box::pin(connect(&self.state.connector, peer, cfg)).await {
@@ -668,12 +667,12 @@ impl ProxyApp {
             match next {
                 Ok(Body::More) => {}
                 Ok(Body::Ended) => {
-                    if let (true, Some(peer)) = (up.is_body_done(), &backend.peer) {
+                    if up.is_body_done() {
                         up.respect_keepalive();
                         // Completes at once for a finished body (kept out of this future's
                         // state, where it would add 2 KB); if not, the connection closes.
                         if let Some(Some(stream)) = up.reuse().now_or_never() {
-                            self.state.pool.put(peer.reuse_hash(), stream, Instant::now());
+                            self.state.pool.put(backend.pool_key, stream, Instant::now());
                         }
                     }
                     return true;

@@ -8,8 +8,8 @@
 //!
 //! It also resolves backend host names again every `discovery.resolve_interval_ms` (see
 //! [`GatewayState::re_resolve`]), writes out the buffered access log, rotates changed TLS
-//! certificates and sweeps the idle engine connections ([`crate::pool`]) every second, and flushes the log once more at shutdown (the drain itself is
-//! [`crate::drain`]'s).
+//! certificates and sweeps the idle engine connections ([`crate::pool`]) every second, and
+//! flushes the log once more at shutdown (the drain itself is [`crate::drain`]'s).
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -122,6 +122,8 @@ impl GatewayState {
         let policy = config.policy.build();
         let prefix = PrefixTracker::new(&config.prefix_index);
         let auth = build_auth(&config, None);
+        // The connector only opens connections; its own keep-alive pool stays empty (idle
+        // connections go to `pool`), so its size does not matter.
         let mut connector_options = pingora::connectors::ConnectorOptions::new(128);
         connector_options.ca_file = config.upstream_tls.ca_file.clone();
         let r = &config.retries;
