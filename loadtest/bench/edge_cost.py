@@ -149,9 +149,6 @@ def main():
     if ngx_port:
         hs["nginx"] = base.median([handshakes_per_s(ngx_port, hs_seconds) for _ in range(rounds_n)])
 
-    def added(t, m, q):
-        return lat[t][m][q] - lat["direct"][m][q]
-
     print("\n## Cost of the edge features (TLS 1.3 + API key + limiters) on the same 2 cores\n")
     print("| figure | plain gateway | edge gateway | edge ÷ plain |")
     print("|---|---:|---:|---:|")
@@ -159,7 +156,7 @@ def main():
           f"{rps['plain']:.0f} | {rps['edge']:.0f} | {rps['edge'] / rps['plain']:.2f}× |")
     for m, label in [("e2e_ms", "e2e"), ("ttft_ms", "TTFT")]:
         for q in ["p50", "p99"]:
-            p, e = added("plain", m, q), added("edge", m, q)
+            p, e = base.added(lat, "plain", m, q), base.added(lat, "edge", m, q)
             print(f"| {label} {q} added over direct at {half:.0f} req/s, Poisson (ms) | {p:+.2f} | {e:+.2f} | "
                   f"{e - p:+.2f} ms |")
     line = f"| full TLS 1.3 handshakes/s (`openssl s_time -new`, P-256) | | {hs['edge']:.0f} |"
