@@ -43,7 +43,7 @@ fn main() {
     let seqs = 17;
     let per_seq = 1024 / BLOCK;
     let mut kv = model.kv_store(seqs * per_seq, BLOCK);
-    let mut group = TpGroup::spawn(&model, n, threads, seqs * per_seq, BLOCK, None).expect("group");
+    let mut group = TpGroup::spawn(&model, n, threads, seqs * per_seq, BLOCK).expect("group");
     let tables: Vec<Vec<u32>> = (0..seqs).map(|s| (0..per_seq).map(|b| (s * per_seq + b) as u32).collect()).collect();
     let vocab = model.cfg.vocab as u32;
     let tokens =

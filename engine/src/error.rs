@@ -74,21 +74,15 @@ impl ApiError {
         }
     }
 
-    /// The JSON body.
+    /// The JSON body: the OpenAI error shape every Switchyard binary answers with
+    /// ([`switchyard_shim::openai_error::error_body`]).
     pub fn body(&self) -> serde_json::Value {
         let param = match self {
-            ApiError::InvalidRequest { param, .. } => param.clone(),
-            ApiError::ModelNotFound(_) => Some("model".into()),
+            ApiError::InvalidRequest { param, .. } => param.as_deref(),
+            ApiError::ModelNotFound(_) => Some("model"),
             ApiError::Unavailable => None,
         };
-        serde_json::json!({
-            "error": {
-                "message": self.to_string(),
-                "type": self.error_type(),
-                "param": param,
-                "code": self.code(),
-            }
-        })
+        switchyard_shim::openai_error::error_body(&self.to_string(), self.error_type(), param, self.code())
     }
 }
 

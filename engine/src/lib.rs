@@ -7,12 +7,12 @@
 //! `sim` models a GPU's step times (an 8-pod H100 cluster runs on a laptop).
 //!
 //! Layout: [`kv`] (block pool, pure) → [`scheduler`] (step planning, pure) →
-//! [`backend`] (executes a step) → [`core`] (the three together, stepped by a caller) →
+//! [`backend`] (executes a step) → [`engine_core`] (the three together, stepped by a caller) →
 //! [`runtime`] (the thread that paces the core) → [`server`] (HTTP).
 
 pub mod backend;
 pub mod config;
-pub mod core;
+pub mod engine_core;
 pub mod error;
 pub mod kv;
 pub mod metrics;
@@ -47,7 +47,7 @@ pub struct Engine {
 
 /// Build the engine a configuration describes and start its thread.
 pub fn build(cfg: &EngineConfig) -> anyhow::Result<Engine> {
-    let (cfg, core, tokenizer) = core::EngineCore::load(cfg)?;
+    let (cfg, core, tokenizer) = engine_core::EngineCore::load(cfg)?;
     let cfg = &cfg;
     let registry = prometheus::Registry::new();
     let metrics = metrics::EngineMetrics::new(&registry, &cfg.served_model_name, cfg.block_size, cfg.num_blocks)?;

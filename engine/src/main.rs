@@ -44,18 +44,8 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The first SIGTERM or Ctrl-C (the helper every Switchyard binary shares), logged.
 async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            s.recv().await;
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    switchyard_shim::process::terminated().await;
     tracing::info!("shutting down");
 }

@@ -20,7 +20,7 @@ use tokio::sync::watch;
 
 use crate::backend::BackendFailure;
 
-use crate::core::EngineCore;
+use crate::engine_core::EngineCore;
 use crate::metrics::EngineMetrics;
 use crate::scheduler::{Event, Request, RequestId, SamplingParams};
 use crate::tokenizer::TokenId;

@@ -24,7 +24,7 @@ fn three_ranks_match_one_on_the_fixture_prompts() {
     assert!(path.exists(), "model file {} is missing: run `{FETCH_COMMAND}` first", path.display());
     let model = load(&path).unwrap().model;
     let fixture: Value = serde_json::from_str(include_str!("fixtures/llama_cpp_smollm2.json")).unwrap();
-    let mut group = TpGroup::spawn(&model, 3, 2, 64, BLOCK, None).unwrap();
+    let mut group = TpGroup::spawn(&model, 3, 2, 64, BLOCK).unwrap();
     let mut worst = 0f32;
     for (i, p) in fixture["prompts"].as_array().unwrap().iter().enumerate() {
         let prompt: Vec<u32> = p["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();

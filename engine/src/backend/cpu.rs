@@ -19,7 +19,7 @@ use super::tp_group::{GroupError, TpGroup};
 use super::{Backend, BackendFailure, StepOutput};
 use crate::model::gguf::GgufFile;
 use crate::model::llama::{KvStore, Llama, ModelError, SeqInput};
-use crate::model::tokenizer::{ModelTokenizer, TokenizerError};
+use crate::model::model_tokenizer::{ModelTokenizer, TokenizerError};
 use crate::scheduler::{Sampled, SamplingParams, SeqView, TokenLogprobs};
 use crate::tokenizer::TokenId;
 
@@ -98,7 +98,6 @@ enum Executor {
 impl CpuBackend {
     /// A backend over `model` with K/V room for `num_blocks` blocks of `block_size` tokens,
     /// computing on `threads` threads, with `tp` tensor-parallel ranks (1: none).
-    /// `fail_rank`: a rank that panics at its first step (reliability tests).
     pub fn new(
         model: Llama,
         eos: TokenId,
@@ -106,12 +105,37 @@ impl CpuBackend {
         block_size: usize,
         threads: usize,
         tp: usize,
-        fail_rank: Option<usize>,
     ) -> Result<Self, LoadError> {
         if tp > 1 {
-            let group = TpGroup::spawn(&model, tp, threads, num_blocks, block_size, fail_rank)?;
+            let group = TpGroup::spawn(&model, tp, threads, num_blocks, block_size)?;
             return Ok(Self { exec: Executor::Group(group), eos });
         }
+        Self::single(model, eos, num_blocks, block_size, threads)
+    }
+
+    /// [`Self::new`] with `tp` > 1 ranks of which `fail_rank` panics at its first step
+    /// (reliability tests; feature `fault-injection`).
+    #[cfg(feature = "fault-injection")]
+    pub fn with_failing_rank(
+        model: Llama,
+        eos: TokenId,
+        num_blocks: usize,
+        block_size: usize,
+        threads: usize,
+        tp: usize,
+        fail_rank: usize,
+    ) -> Result<Self, LoadError> {
+        let group = TpGroup::spawn_with_failing_rank(&model, tp, threads, num_blocks, block_size, fail_rank)?;
+        Ok(Self { exec: Executor::Group(group), eos })
+    }
+
+    fn single(
+        model: Llama,
+        eos: TokenId,
+        num_blocks: usize,
+        block_size: usize,
+        threads: usize,
+    ) -> Result<Self, LoadError> {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("cpu-backend-{i}"))

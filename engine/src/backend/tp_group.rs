@@ -18,9 +18,20 @@ use crate::model::llama::{Llama, SeqInput};
 use crate::model::tp::{CommError, Communicator, ShmCommunicator, TpPlan, TpShapeError};
 use crate::tokenizer::TokenId;
 
-/// The environment variable that makes a rank panic at its first step (fault-injection
-/// hook for the reliability tests; the value is the rank).
+/// The environment variable that makes a rank panic at its first step (the value is the
+/// rank): a fault-injection hook for the reliability tests, compiled only with the cargo
+/// feature `fault-injection` (which this crate's own tests turn on through a dev-dependency
+/// on itself). A release build has neither the variable nor the failing rank.
+#[cfg(any(test, feature = "fault-injection"))]
 pub const FAIL_RANK_ENV: &str = "SWITCHYARD_TP_FAIL_RANK";
+
+/// The rank [`FAIL_RANK_ENV`] names, if it is set; logs a warning when it is.
+#[cfg(feature = "fault-injection")]
+pub fn fail_rank_from_env() -> Option<usize> {
+    let rank = std::env::var(FAIL_RANK_ENV).ok()?.parse().ok()?;
+    tracing::warn!(rank, "{FAIL_RANK_ENV} is set: tensor-parallel rank {rank} will fail on purpose at its first step");
+    Some(rank)
+}
 
 /// Why a group cannot start or stopped working.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -73,9 +84,32 @@ impl std::fmt::Debug for TpGroup {
 
 impl TpGroup {
     /// Shard `model` over `size` ranks sharing `threads` threads, each rank with K/V room
-    /// for `num_blocks` blocks of `block_size` tokens. `fail_rank`: a rank that panics at
-    /// its first step (tests).
+    /// for `num_blocks` blocks of `block_size` tokens.
     pub fn spawn(
+        model: &Llama,
+        size: usize,
+        threads: usize,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Self, GroupError> {
+        Self::spawn_inner(model, size, threads, num_blocks, block_size, None)
+    }
+
+    /// [`Self::spawn`], with rank `fail_rank` panicking at its first step (reliability
+    /// tests; feature `fault-injection`).
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn spawn_with_failing_rank(
+        model: &Llama,
+        size: usize,
+        threads: usize,
+        num_blocks: usize,
+        block_size: usize,
+        fail_rank: usize,
+    ) -> Result<Self, GroupError> {
+        Self::spawn_inner(model, size, threads, num_blocks, block_size, Some(fail_rank))
+    }
+
+    fn spawn_inner(
         model: &Llama,
         size: usize,
         threads: usize,
@@ -97,7 +131,10 @@ impl TpGroup {
                 .map_err(|e| GroupError::Start { rank, reason: e.to_string() })?;
             let (tx, rx) = mpsc::channel::<Arc<Step>>();
             let (comm, reply_tx) = (comm.clone(), reply_tx.clone());
+            #[cfg(any(test, feature = "fault-injection"))]
             let fail = fail_rank == Some(rank);
+            #[cfg(not(any(test, feature = "fault-injection")))]
+            let _ = fail_rank;
             let join = thread::Builder::new()
                 .name(format!("tp-rank-{rank}"))
                 .spawn(move || {
@@ -107,6 +144,7 @@ impl TpGroup {
                     let mut kv = shard.kv_store(num_blocks, block_size);
                     for step in rx {
                         let result = catch_unwind(AssertUnwindSafe(|| {
+                            #[cfg(any(test, feature = "fault-injection"))]
                             if fail {
                                 panic!("rank {rank} failed on purpose ({FAIL_RANK_ENV}={rank})");
                             }

@@ -14,8 +14,8 @@ use serde::Deserialize;
 
 use super::gguf::GgmlType;
 use super::llama::{LayerNames, LayerWeights, Llama, LlamaConfig, Matrix, ModelError, RopeStyle};
+use super::model_tokenizer::{ModelTokenizer, TokenizerError};
 use super::quant::dequantize_row;
-use super::tokenizer::{ModelTokenizer, TokenizerError};
 
 /// Why a checkpoint directory cannot be loaded.
 #[derive(Debug, thiserror::Error)]

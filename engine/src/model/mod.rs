@@ -8,9 +8,9 @@
 pub mod gguf;
 pub mod hf;
 pub mod llama;
+pub mod model_tokenizer;
 pub mod quant;
 pub mod simd;
-pub mod tokenizer;
 pub mod tp;
 
 use std::path::PathBuf;

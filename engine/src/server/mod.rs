@@ -17,7 +17,7 @@ pub mod sse;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
@@ -26,6 +26,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use prometheus::{Encoder, Registry, TextEncoder};
+use switchyard_shim::process::unix_secs;
 
 use crate::backend::sim::splitmix64;
 use crate::error::ApiError;
@@ -78,13 +79,9 @@ impl AppState {
             registry,
             failed,
             next_id: AtomicU64::new(1),
-            started: unix_now(),
+            started: unix_secs(),
         }
     }
-}
-
-fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 /// The application's routes.
@@ -217,7 +214,7 @@ async fn execute(
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
-    let meta = ResponseMeta { id: response_id, created: unix_now(), model: st.model.clone(), endpoint };
+    let meta = ResponseMeta { id: response_id, created: unix_secs(), model: st.model.clone(), endpoint };
     let stream = match st.engine.submit(id, p.prompt, p.params, arrival) {
         Ok(s) => s,
         Err(_) => return ApiError::Unavailable.into_response(),

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::{kv_cache_blocks, profile, SimBackend, SimProfile};
-use crate::core::EngineCore;
+use crate::engine_core::EngineCore;
 use crate::kv::BlockPool;
 use crate::scheduler::{Event, Request, SamplingParams, Scheduler, SchedulerConfig};
 use crate::tokenizer::SimTokenizer;

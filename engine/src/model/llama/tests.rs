@@ -250,7 +250,7 @@ fn tensor_parallel_ranks_give_the_logits_and_greedy_tokens_of_one() {
         let want = tp_steps(&mut |seqs| m.forward(&mut kv, seqs).unwrap());
         assert_eq!(want.len(), 1 + 3 + 3 * 3);
         for n in [2, 4, 8] {
-            let mut group = TpGroup::spawn(&m, n, 2, 16, 4, None).unwrap();
+            let mut group = TpGroup::spawn(&m, n, 2, 16, 4).unwrap();
             let got = tp_steps(&mut |seqs| group.forward(seqs).unwrap());
             assert_eq!(got.len(), want.len());
             // Bit-identical: the row-parallel segments are summed in the same order at any N
@@ -270,7 +270,7 @@ fn tensor_parallel_ranks_give_the_logits_and_greedy_tokens_of_one() {
 fn a_failed_rank_fails_the_group_without_hanging() {
     use crate::backend::tp_group::{GroupError, TpGroup};
     let m = shaped(RopeStyle::Interleaved, 8, 4, 64);
-    let mut group = TpGroup::spawn(&m, 4, 2, 16, 4, Some(2)).unwrap();
+    let mut group = TpGroup::spawn_with_failing_rank(&m, 4, 2, 16, 4, 2).unwrap();
     let toks = tokens(5, 1);
     let seqs = [SeqInput { tokens: &toks, start: 0, block_table: &[0, 1], logits: true }];
     for _ in 0..2 {
@@ -280,7 +280,7 @@ fn a_failed_rank_fails_the_group_without_hanging() {
         }
     }
     // Sizes that do not fit are refused up front, naming the numbers.
-    let e = TpGroup::spawn(&m, 3, 2, 16, 4, None).unwrap_err().to_string();
+    let e = TpGroup::spawn(&m, 3, 2, 16, 4).unwrap_err().to_string();
     assert!(e.contains("8 attention heads do not divide by 3") && e.contains("1, 2, 4, 8"), "{e}");
 }
 

@@ -49,45 +49,20 @@ impl EngineCore {
         let mut cfg = cfg.clone();
         let (tokenizer, backend): (Arc<dyn Tokenizer>, Box<dyn Backend>) = match cfg.backend {
             BackendKind::Sim => (Arc::new(SimTokenizer::new()), Box::new(SimBackend::new(cfg.sim_profile))),
-            BackendKind::Cpu => {
-                if !cfg.model_path.exists() && cfg.model_path == crate::model::default_model_path() {
-                    anyhow::bail!(
-                        "model file {} is missing: run `{}` to fetch it",
-                        cfg.model_path.display(),
-                        crate::model::FETCH_COMMAND
-                    );
-                }
-                let loaded = cpu::load(&cfg.model_path)?;
-                let mc = &loaded.model.cfg;
-                if cfg.scheduler.max_model_len == 0 {
-                    cfg.scheduler.max_model_len = mc.max_ctx;
-                }
-                if cfg.scheduler.max_model_len > mc.max_ctx {
-                    anyhow::bail!(
-                        "--max-model-len: {} exceeds the model's context length {}",
-                        cfg.scheduler.max_model_len,
-                        mc.max_ctx
-                    );
-                }
-                if cfg.num_blocks == 0 {
-                    let per_block = KvStore::bytes_per_token(mc) * cfg.block_size;
-                    cfg.num_blocks = cfg.kv_cache_bytes / per_block;
-                    if cfg.num_blocks == 0 {
-                        anyhow::bail!("--kv-cache-space: too small for one block of {per_block} bytes");
-                    }
-                }
-                let eos = loaded.tokenizer.eos_token_id();
-                let tp = cfg.tensor_parallel_size;
-                let fail_rank =
-                    std::env::var(crate::backend::tp_group::FAIL_RANK_ENV).ok().and_then(|v| v.parse().ok());
-                let backend =
-                    CpuBackend::new(loaded.model, eos, cfg.num_blocks, cfg.block_size, cfg.threads, tp, fail_rank)?;
-                (Arc::new(loaded.tokenizer), Box::new(backend))
-            }
+            BackendKind::Cpu => load_cpu(&mut cfg)?,
         };
+        Ok(Self::assemble(cfg, tokenizer, backend))
+    }
+
+    /// The block pool and scheduler `cfg` describes, over `backend`.
+    fn assemble(
+        cfg: EngineConfig,
+        tokenizer: Arc<dyn Tokenizer>,
+        backend: Box<dyn Backend>,
+    ) -> (EngineConfig, Self, Arc<dyn Tokenizer>) {
         let pool = BlockPool::new(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching);
         let scheduler = Scheduler::new(cfg.scheduler, pool, tokenizer.clone());
-        Ok((cfg, EngineCore::new(scheduler, backend), tokenizer))
+        (cfg, EngineCore::new(scheduler, backend), tokenizer)
     }
 
     /// Run one step; `None` when there is nothing to schedule. An error means the backend
@@ -109,4 +84,45 @@ impl EngineCore {
             num_preempted: plan.preempted.len(),
         }))
     }
+}
+
+/// Load the `cpu` backend's model file and complete `cfg` with what the model decides: the
+/// context length when none was given, the KV blocks that `--kv-cache-space` holds.
+fn load_cpu(cfg: &mut EngineConfig) -> anyhow::Result<(Arc<dyn Tokenizer>, Box<dyn Backend>)> {
+    if !cfg.model_path.exists() && cfg.model_path == crate::model::default_model_path() {
+        anyhow::bail!(
+            "model file {} is missing: run `{}` to fetch it",
+            cfg.model_path.display(),
+            crate::model::FETCH_COMMAND
+        );
+    }
+    let loaded = cpu::load(&cfg.model_path)?;
+    let mc = &loaded.model.cfg;
+    if cfg.scheduler.max_model_len == 0 {
+        cfg.scheduler.max_model_len = mc.max_ctx;
+    }
+    if cfg.scheduler.max_model_len > mc.max_ctx {
+        anyhow::bail!(
+            "--max-model-len: {} exceeds the model's context length {}",
+            cfg.scheduler.max_model_len,
+            mc.max_ctx
+        );
+    }
+    if cfg.num_blocks == 0 {
+        let per_block = KvStore::bytes_per_token(mc) * cfg.block_size;
+        cfg.num_blocks = cfg.kv_cache_bytes / per_block;
+        if cfg.num_blocks == 0 {
+            anyhow::bail!("--kv-cache-space: too small for one block of {per_block} bytes");
+        }
+    }
+    let eos = loaded.tokenizer.eos_token_id();
+    let (tp, blocks, block_size, threads) = (cfg.tensor_parallel_size, cfg.num_blocks, cfg.block_size, cfg.threads);
+    let tokenizer: Arc<dyn Tokenizer> = Arc::new(loaded.tokenizer);
+    #[cfg(feature = "fault-injection")]
+    if let (Some(rank), true) = (crate::backend::tp_group::fail_rank_from_env(), tp > 1) {
+        let backend = CpuBackend::with_failing_rank(loaded.model, eos, blocks, block_size, threads, tp, rank)?;
+        return Ok((tokenizer, Box::new(backend)));
+    }
+    let backend = CpuBackend::new(loaded.model, eos, blocks, block_size, threads, tp)?;
+    Ok((tokenizer, Box::new(backend)))
 }
