@@ -57,6 +57,9 @@
 pub mod error;
 pub mod expose;
 mod normalize;
+pub mod openai_error;
+#[cfg(feature = "process")]
+pub mod process;
 pub mod text;
 
 #[cfg(test)]
