@@ -199,6 +199,25 @@ pub fn metric(s: &Scrape, name: &str) -> f64 {
     sum
 }
 
+/// How long a test waits for something that should happen promptly (a scrape, a reload, a
+/// freed request, a log line): generous, because a loaded 2-core machine may run a test
+/// several times slower. A bound that is a measurement belongs to the `timing` test group or
+/// to a benchmark, not here.
+pub const PATIENCE: Duration = Duration::from_secs(20);
+
+/// Poll `cond` every 20 ms until it holds (how long that took), or panic naming `what`
+/// after [`PATIENCE`].
+pub async fn eventually(what: &str, mut cond: impl AsyncFnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    loop {
+        if cond().await {
+            return start.elapsed();
+        }
+        assert!(start.elapsed() < PATIENCE, "{what}: not within {PATIENCE:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Poll until `cond` holds on a scrape, or panic after `within`.
 pub async fn wait_for_metrics(
     addr: SocketAddr,
@@ -244,7 +263,7 @@ pub async fn wait_scraped(g: &crate::procs::GatewayProc, n: usize) {
         if ready >= n {
             return;
         }
-        assert!(start.elapsed() < Duration::from_secs(10), "backends not scraped: {b}\n{}", g.log());
+        assert!(start.elapsed() < PATIENCE, "backends not scraped: {b}\n{}", g.log());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

@@ -11,6 +11,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::gateway_config::GatewayConfigBuilder;
+
 /// Path of a workspace binary next to the running test executable.
 pub fn workspace_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
@@ -114,14 +116,22 @@ pub struct GatewayProc {
 }
 
 impl GatewayProc {
-    /// Write the YAML built by `config(listen, admin_listen)` and start the gateway on it;
-    /// waits until `/-/healthz` answers.
-    pub fn start(config: impl Fn(SocketAddr, SocketAddr) -> String) -> GatewayProc {
+    /// Write `config` and start the gateway on it; waits until both listeners accept.
+    /// Listeners the config does not set get free loopback ports.
+    pub fn start(config: &GatewayConfigBuilder) -> GatewayProc {
         let dir = scratch_dir("gateway");
-        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let config = match config.listen_addr() {
+            Some(_) => config.clone(),
+            None => config.clone().listeners(
+                format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+                format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+            ),
+        };
+        let yaml = config.render();
+        let addr: SocketAddr = field(&yaml, "listen");
+        let admin: SocketAddr = field(&yaml, "admin_listen");
         let config_path = dir.join("gateway.yaml");
-        std::fs::write(&config_path, config(addr, admin)).unwrap();
+        std::fs::write(&config_path, &yaml).unwrap();
         let log_path = dir.join("gateway.log");
         let log = std::fs::File::create(&log_path).unwrap();
         let child = Command::new(workspace_bin("switchyard-gateway"))
@@ -146,7 +156,13 @@ impl GatewayProc {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
     }
 
-    /// Replace the config file (atomically, by rename, as a ConfigMap update does).
+    /// Replace the config file with `config` on this gateway's listeners (they are read at
+    /// start only).
+    pub fn rewrite(&self, config: &GatewayConfigBuilder) {
+        self.rewrite_config(&config.clone().listeners(self.addr, self.admin).render());
+    }
+
+    /// Replace the config file with `yaml` (atomically, by rename, as a ConfigMap update does).
     pub fn rewrite_config(&self, yaml: &str) {
         let tmp = self.config_path.with_extension("tmp");
         std::fs::write(&tmp, yaml).unwrap();
@@ -226,12 +242,8 @@ impl Drop for ShimProc {
     }
 }
 
-/// A static-discovery gateway config for `backends` with `policy` (YAML flow map).
-pub fn gateway_yaml(listen: SocketAddr, admin: SocketAddr, backends: &[String], policy: &str) -> String {
-    let mut y = format!("listen: {listen}\nadmin_listen: {admin}\nthreads: 2\ndiscovery:\n  static:\n");
-    for b in backends {
-        y.push_str(&format!("    - url: {b}\n"));
-    }
-    y.push_str(&format!("policy: {policy}\nscrape: {{ interval_ms: 50, timeout_ms: 500, stale_after_ms: 1000 }}\n"));
-    y
+/// The value of top-level `key` in a rendered config.
+fn field(yaml: &str, key: &str) -> SocketAddr {
+    let prefix = format!("{key}: ");
+    yaml.lines().find_map(|l| l.strip_prefix(&prefix)).expect("key in config").parse().expect("an address")
 }

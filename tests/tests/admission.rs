@@ -11,18 +11,13 @@ use switchyard_testkit::*;
 /// A gateway in front of one engine that is not running (scaled to zero), once its scrapes
 /// have marked it down.
 async fn gateway(port: u16, max_queue: usize, max_wait_ms: u64) -> GatewayProc {
-    let g = GatewayProc::start(move |l, a| {
-        format!(
-            "listen: {l}\nadmin_listen: {a}\nthreads: 2\ndiscovery:\n  static:\n    - url: http://127.0.0.1:{port}\n      \
-             models: [m]\nscrape: {{ interval_ms: 50, timeout_ms: 300, stale_after_ms: 1000 }}\n\
-             admission: {{ max_queue: {max_queue}, max_wait_ms: {max_wait_ms} }}\n"
-        )
-    });
-    let start = Instant::now();
-    while backends(&g).await["backends"][0]["state"] != "down" {
-        assert!(start.elapsed() < Duration::from_secs(5), "the absent engine was never marked down");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let g = GatewayProc::start(
+        &GatewayConfigBuilder::new()
+            .backend_serving(&format!("http://127.0.0.1:{port}"), &["m"])
+            .scrape_timeout_ms(300)
+            .section("admission", &format!("{{ max_queue: {max_queue}, max_wait_ms: {max_wait_ms} }}")),
+    );
+    eventually("the absent engine is marked down", async || backends(&g).await["backends"][0]["state"] == "down").await;
     g
 }
 
@@ -38,14 +33,7 @@ async fn a_request_waits_for_an_engine_to_come_up() {
         (r.status, t.elapsed())
     });
     // Held: the queue gauge shows it.
-    let start = Instant::now();
-    loop {
-        if metric(&scrape(g.admin).await, "switchyard_queue_depth") == 1.0 {
-            break;
-        }
-        assert!(start.elapsed() < Duration::from_secs(5), "the request was not queued");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the request is queued", async || metric(&scrape(g.admin).await, "switchyard_queue_depth") == 1.0).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     // The engine starts (scaling up); the held request goes through.
     let mut engine = Command::new(workspace_bin("switchyard-engine"))
@@ -65,8 +53,10 @@ async fn a_request_waits_for_an_engine_to_come_up() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_deadline_or_the_bound_it_is_503_with_retry_after() {
+    // A 3 s wait, so that "at once" (under 1.5 s) and "after the wait" stay apart on a loaded
+    // machine.
     let port = free_port();
-    let g = gateway(port, 1, 600).await;
+    let g = gateway(port, 1, 3000).await;
     let body = json!({"model": "m", "prompt": "x", "max_tokens": 1});
     let addr = g.addr;
     let b = body.clone();
@@ -75,16 +65,17 @@ async fn past_the_deadline_or_the_bound_it_is_503_with_retry_after() {
         let r = post(addr, "/v1/completions", &b).await;
         (r.status, r.headers.get("retry-after").cloned(), t.elapsed(), r.json().await)
     });
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    eventually("the first request is queued", async || metric(&scrape(g.admin).await, "switchyard_queue_depth") == 1.0)
+        .await;
     // The queue holds one: a second request is refused at once.
     let t = Instant::now();
     let r = post(g.addr, "/v1/completions", &body).await;
     assert_eq!(r.status, 503);
-    assert!(t.elapsed() < Duration::from_millis(400), "refused at once, not after the wait");
+    assert!(t.elapsed() < Duration::from_millis(1500), "refused at once, not after the wait ({:?})", t.elapsed());
     let (status, retry_after, waited, v) = first.await.unwrap();
     assert_eq!(status, 503, "{v}");
     assert!(retry_after.is_some(), "Retry-After on a 503");
-    assert!(waited >= Duration::from_millis(550), "it waited max_wait_ms first ({waited:?})");
+    assert!(waited >= Duration::from_millis(2950), "it waited max_wait_ms first ({waited:?})");
     assert!(v["error"]["message"].as_str().unwrap().contains("no backend available"), "{v}");
     assert_eq!(metric(&scrape(g.admin).await, "switchyard_queue_depth"), 0.0);
 }
@@ -93,33 +84,31 @@ async fn past_the_deadline_or_the_bound_it_is_503_with_retry_after() {
 async fn requests_wait_while_every_engine_is_saturated() {
     // One engine that runs one request at a time: concurrent requests queue inside it.
     let e = EngineProc::start(&["--backend", "sim", "--max-num-seqs", "1", "--served-model-name", "m"]);
-    let url = e.url();
-    let g = GatewayProc::start(move |l, a| {
-        format!(
-            "listen: {l}\nadmin_listen: {a}\nthreads: 2\ndiscovery:\n  static:\n    - url: {url}\n\
-             scrape: {{ interval_ms: 20, timeout_ms: 300, stale_after_ms: 1000 }}\n\
-             admission: {{ max_queue: 10, max_wait_ms: 20000, saturated_waiting: 2 }}\n"
-        )
-    });
+    let g = GatewayProc::start(
+        &GatewayConfigBuilder::new()
+            .backends([e.url()])
+            .scrape_interval_ms(20)
+            .scrape_timeout_ms(300)
+            .section("admission", "{ max_queue: 10, max_wait_ms: 20000, saturated_waiting: 2 }"),
+    );
     wait_scraped(&g, 1).await;
-    // Four long requests: one runs, the others wait in the engine (waiting = 3 ≥ 2).
-    let long = json!({"model": "m", "prompt": "long", "max_tokens": 60, "ignore_eos": true});
+    // Four long requests (~1.4 s each): one runs, the others wait in the engine (waiting = 3 ≥ 2).
+    let long = json!({"model": "m", "prompt": "long", "max_tokens": 200, "ignore_eos": true});
     let mut held = Vec::new();
     for _ in 0..4 {
         let (addr, b) = (g.addr, long.clone());
         held.push(tokio::spawn(async move { post(addr, "/v1/completions", &b).await.status }));
     }
-    let start = Instant::now();
-    while backends(&g).await["backends"][0]["signal"]["waiting"].as_f64().unwrap_or(0.0) < 2.0 {
-        assert!(start.elapsed() < Duration::from_secs(5), "the engine never queued");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("the engine queues", async || {
+        backends(&g).await["backends"][0]["signal"]["waiting"].as_f64().unwrap_or(0.0) >= 2.0
+    })
+    .await;
     // The next request is held at the gateway until the engine's queue drains below 2.
     let (addr, b) = (g.addr, json!({"model": "m", "prompt": "short", "max_tokens": 2}));
     let queued = tokio::spawn(async move { post(addr, "/v1/completions", &b).await.status });
     let mut seen_queued = false;
     let start = Instant::now();
-    while !queued.is_finished() && start.elapsed() < Duration::from_secs(10) {
+    while !queued.is_finished() && start.elapsed() < PATIENCE {
         seen_queued |= metric(&scrape(g.admin).await, "switchyard_queue_depth") >= 1.0;
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

@@ -1,4 +1,5 @@
-//! Every file in `config/` is a valid gateway config, and `--validate` reports field errors.
+//! Every file in `config/` is a valid gateway config, `--validate` reports field errors, and
+//! every test `.config/nextest.toml` names exists.
 
 use std::process::Command;
 
@@ -42,4 +43,25 @@ fn validate_prints_every_field_error_and_fails() {
     for needle in ["listen: must be IP:PORT", "discovery.static[0].url", "retries.max_attempts"] {
         assert!(err.contains(needle), "missing {needle:?} in {err}");
     }
+}
+
+/// Every test `.config/nextest.toml` names (`test(=NAME)`, e.g. the `timing` group) exists: a
+/// renamed test must not silently leave its group.
+#[test]
+fn every_test_named_in_the_nextest_config_exists() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let config = std::fs::read_to_string(root.join(".config/nextest.toml")).expect(".config/nextest.toml");
+    let mut sources = String::new();
+    for dir in ["tests/tests", "engine/tests", "gateway/tests"] {
+        for entry in std::fs::read_dir(root.join(dir)).into_iter().flatten() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "rs") {
+                sources.push_str(&std::fs::read_to_string(&path).unwrap());
+            }
+        }
+    }
+    let names: Vec<&str> = config.split("test(=").skip(1).map(|rest| rest.split(')').next().unwrap()).collect();
+    assert!(names.len() >= 10, "the timing group names its tests: {names:?}");
+    let missing: Vec<&&str> = names.iter().filter(|n| !sources.contains(&format!("fn {n}("))).collect();
+    assert!(missing.is_empty(), "tests named in .config/nextest.toml that no longer exist: {missing:?}");
 }

@@ -9,9 +9,9 @@ use switchyard_testkit::*;
 
 const MODEL: &str = "meta-llama/Meta-Llama-3-8B-Instruct";
 
+/// A gateway over `engines` with `policy`, once it has scraped them all.
 async fn start_gateway(engines: &[&EngineProc], policy: &str) -> GatewayProc {
-    let urls: Vec<String> = engines.iter().map(|e| e.url()).collect();
-    let g = GatewayProc::start(|l, a| gateway_yaml(l, a, &urls, policy));
+    let g = GatewayProc::start(&config(engines, policy));
     wait_scraped(&g, engines.len()).await;
     g
 }
@@ -24,6 +24,10 @@ async fn send_short_requests(g: &GatewayProc, n: u64) {
         assert_eq!(r.status, 200);
         r.text().await;
     }
+}
+
+fn config(engines: &[&EngineProc], policy: &str) -> GatewayConfigBuilder {
+    GatewayConfigBuilder::new().backends(engines.iter().map(|e| e.url())).policy(policy)
 }
 
 fn routed(b: &serde_json::Value, url: &str) -> u64 {
@@ -44,7 +48,7 @@ fn content_times(events: &[(Instant, String)]) -> Vec<Instant> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_through_the_gateway_adds_only_milliseconds_per_chunk() {
     let engine = EngineProc::start(&["--sim-profile", "h100-llama3-8b"]);
-    let g = start_gateway(&[&engine], "{ type: least_load }").await;
+    let g = start_gateway(&[&engine], "least_load").await;
     let body = |seed: u64, n: u32| {
         json!({"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}],
                "max_tokens": n, "ignore_eos": true, "stream": true, "seed": seed})
@@ -77,7 +81,7 @@ async fn streaming_through_the_gateway_adds_only_milliseconds_per_chunk() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn least_load_avoids_a_saturated_engine_and_round_robin_does_not() {
     let engines: Vec<EngineProc> = (0..3).map(|_| EngineProc::start(&["--sim-profile", "h100-llama3-8b"])).collect();
-    let g = start_gateway(&engines.iter().collect::<Vec<_>>(), "{ type: least_load }").await;
+    let g = start_gateway(&engines.iter().collect::<Vec<_>>(), "least_load").await;
     let (a, b, c) = (engines[0].url(), engines[1].url(), engines[2].url());
 
     // Saturate A with direct traffic: 48 long streams it keeps running.
@@ -90,16 +94,10 @@ async fn least_load_avoids_a_saturated_engine_and_round_robin_does_not() {
         hogs.push(r);
     }
     // Wait until the gateway has scraped A's load.
-    let start = Instant::now();
-    loop {
-        let bs = backends(&g).await;
-        let a_running = bs["backends"][0]["signal"]["running"].as_f64().unwrap_or(0.0);
-        if a_running >= 48.0 {
-            break;
-        }
-        assert!(start.elapsed() < Duration::from_secs(5), "A's load never showed: {bs}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("A's load shows in the gateway's view", async || {
+        backends(&g).await["backends"][0]["signal"]["running"].as_f64().unwrap_or(0.0) >= 48.0
+    })
+    .await;
     let before = backends(&g).await;
     send_short_requests(&g, 30).await;
     let after = backends(&g).await;
@@ -109,13 +107,8 @@ async fn least_load_avoids_a_saturated_engine_and_round_robin_does_not() {
     assert!(to_bc >= 27, "least_load sent {to_a} of 30 to the saturated engine");
 
     // Same cluster, round_robin: an even spread, load or not.
-    let urls: Vec<String> = engines.iter().map(|e| e.url()).collect();
-    g.rewrite_config(&gateway_yaml(g.addr, g.admin, &urls, "{ type: round_robin }"));
-    let start = Instant::now();
-    while backends(&g).await["policy"] != "round_robin" {
-        assert!(start.elapsed() < Duration::from_secs(2), "policy not reloaded");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    g.rewrite(&config(&engines.iter().collect::<Vec<_>>(), "round_robin"));
+    eventually("policy reloaded", async || backends(&g).await["policy"] == "round_robin").await;
     let before = backends(&g).await;
     send_short_requests(&g, 30).await;
     let after = backends(&g).await;
@@ -128,7 +121,7 @@ async fn least_load_avoids_a_saturated_engine_and_round_robin_does_not() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_one_mebibyte_prompt_reaches_the_engine_intact() {
     let engine = EngineProc::start(&["--sim-profile", "instant", "--max-model-len", "400000"]);
-    let g = start_gateway(&[&engine], "{ type: least_load }").await;
+    let g = start_gateway(&[&engine], "least_load").await;
     let prompt = prompt_of(1024 * 1024 / 5, "q"); // 1 MiB: 5 bytes per token
     assert!(prompt.len() >= 1024 * 1024 - 5);
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
@@ -142,19 +135,22 @@ async fn a_one_mebibyte_prompt_reaches_the_engine_intact() {
 async fn a_killed_engine_fails_no_request_started_after_the_kill() {
     let mut engines: Vec<EngineProc> =
         (0..3).map(|_| EngineProc::start(&["--sim-profile", "h100-llama3-8b"])).collect();
-    let g = Arc::new(start_gateway(&engines.iter().collect::<Vec<_>>(), "{ type: least_load }").await);
+    let g = Arc::new(start_gateway(&engines.iter().collect::<Vec<_>>(), "least_load").await);
     let victim = engines[1].url();
     let kill_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
     let failures_after = Arc::new(AtomicUsize::new(0));
     let done_after = Arc::new(AtomicUsize::new(0));
-    let until = Instant::now() + Duration::from_secs(3);
+    // Traffic for 3 s, and on until 60 requests started after the kill, however slow the machine.
+    let begun = Instant::now();
     let mut clients = Vec::new();
     for w in 0..8 {
         let (g, kill_at, failures_after, done_after) =
             (g.clone(), kill_at.clone(), failures_after.clone(), done_after.clone());
         clients.push(tokio::spawn(async move {
             let mut i = 0;
-            while Instant::now() < until {
+            while (begun.elapsed() < Duration::from_secs(3) || done_after.load(Ordering::Relaxed) < 60)
+                && begun.elapsed() < PATIENCE
+            {
                 let started = Instant::now();
                 let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 8, "ignore_eos": true,
                                   "stream": true, "seed": w * 1000 + i});
@@ -193,7 +189,7 @@ async fn a_killed_engine_fails_no_request_started_after_the_kill() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_leaving_through_the_gateway_frees_the_engine_request() {
     let engine = EngineProc::start(&["--sim-profile", "a100-llama3-8b", "--max-num-batched-tokens", "512"]);
-    let g = start_gateway(&[&engine], "{ type: least_load }").await;
+    let g = start_gateway(&[&engine], "least_load").await;
     // After the first token.
     let mut r = post(
         g.addr,
@@ -204,7 +200,8 @@ async fn a_client_leaving_through_the_gateway_frees_the_engine_request() {
     r.next_event().await.expect("first chunk");
     assert_eq!(metric(&scrape(engine.addr).await, "vllm:num_requests_running"), 1.0);
     r.disconnect();
-    wait_for_metrics(engine.addr, Duration::from_secs(1), "freed after a disconnect after the first chunk", |s| {
+    // Freed long before the 3,000 tokens (~25 s) would have been generated.
+    wait_for_metrics(engine.addr, Duration::from_secs(5), "freed after a disconnect after the first chunk", |s| {
         metric(s, "vllm:num_requests_running") == 0.0 && metric(s, "vllm:kv_cache_usage_perc") == 0.0
     })
     .await;
@@ -215,12 +212,13 @@ async fn a_client_leaving_through_the_gateway_frees_the_engine_request() {
         &json!({"model": MODEL, "prompt": prompt_of(8000, "p"), "max_tokens": 5, "stream": true}),
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    let s = scrape(engine.addr).await;
-    assert_eq!(metric(&s, "vllm:num_requests_running"), 1.0);
-    let generated = metric(&s, "vllm:generation_tokens_total");
+    wait_for_metrics(engine.addr, PATIENCE, "the long prompt is prefilling", |s| {
+        metric(s, "vllm:num_requests_running") == 1.0
+    })
+    .await;
+    let generated = metric(&scrape(engine.addr).await, "vllm:generation_tokens_total");
     r.disconnect();
-    wait_for_metrics(engine.addr, Duration::from_secs(1), "freed after a disconnect during prefill", |s| {
+    wait_for_metrics(engine.addr, Duration::from_secs(5), "freed after a disconnect during prefill", |s| {
         metric(s, "vllm:num_requests_running") == 0.0 && metric(s, "vllm:kv_cache_usage_perc") == 0.0
     })
     .await;
@@ -234,13 +232,7 @@ async fn a_client_leaving_through_the_gateway_frees_the_engine_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_openai_errors_and_never_a_5xx() {
     let engine = EngineProc::start(&["--sim-profile", "instant"]);
-    let url = engine.url();
-    let g = GatewayProc::start(|l, a| {
-        format!(
-            "{}limits: {{ max_body_bytes: 4096 }}\n",
-            gateway_yaml(l, a, std::slice::from_ref(&url), "{ type: least_load }")
-        )
-    });
+    let g = GatewayProc::start(&config(&[&engine], "least_load").section("limits", "{ max_body_bytes: 4096 }"));
     wait_scraped(&g, 1).await;
     let big = json!({"model": MODEL, "prompt": "x".repeat(5000)}).to_string();
     let cases: Vec<(&str, &str, Vec<u8>, u16)> = vec![
@@ -321,16 +313,16 @@ async fn a_config_rewrite_under_load_adds_a_backend_without_failures() {
     let e1 = EngineProc::start(&["--sim-profile", "h100-llama3-8b"]);
     let e2 = EngineProc::start(&["--sim-profile", "h100-llama3-8b"]);
     let e3 = EngineProc::start(&["--sim-profile", "h100-llama3-8b"]);
-    let g = Arc::new(start_gateway(&[&e1, &e2], "{ type: least_load }").await);
+    let g = Arc::new(start_gateway(&[&e1, &e2], "least_load").await);
     let failures = Arc::new(AtomicUsize::new(0));
     let total = Arc::new(AtomicUsize::new(0));
-    let until = Instant::now() + Duration::from_millis(2500);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut clients = Vec::new();
     for w in 0..6 {
-        let (g, failures, total) = (g.clone(), failures.clone(), total.clone());
+        let (g, failures, total, stop) = (g.clone(), failures.clone(), total.clone(), stop.clone());
         clients.push(tokio::spawn(async move {
             let mut i = 0;
-            while Instant::now() < until {
+            while !stop.load(Ordering::Relaxed) {
                 let body =
                     json!({"model": MODEL, "prompt": "hi", "max_tokens": 6, "ignore_eos": true, "seed": w * 1000 + i});
                 let r = post(g.addr, "/v1/completions", &body).await;
@@ -344,49 +336,47 @@ async fn a_config_rewrite_under_load_adds_a_backend_without_failures() {
         }));
     }
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let urls = vec![e1.url(), e2.url(), e3.url()];
-    g.rewrite_config(&gateway_yaml(g.addr, g.admin, &urls, "{ type: least_load }"));
-    let rewritten = Instant::now();
-    loop {
+    g.rewrite(&config(&[&e1, &e2, &e3], "least_load"));
+    let took = eventually("the new backend takes traffic", async || {
         let b = backends(&g).await;
-        if b["backends"].as_array().unwrap().len() == 3 && routed(&b, &e3.url()) > 0 {
-            break;
-        }
-        assert!(rewritten.elapsed() < Duration::from_secs(1), "new backend took no traffic within 1 s: {b}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    eprintln!("new backend took traffic {:?} after the rewrite", rewritten.elapsed());
+        b["backends"].as_array().unwrap().len() == 3 && routed(&b, &e3.url()) > 0
+    })
+    .await;
+    eprintln!("new backend took traffic {took:?} after the rewrite");
     // An invalid file keeps the config in force and is counted.
     g.rewrite_config("listen: [not, an, address]\n");
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    eventually("the invalid file is rejected", async || reloads(&scrape(g.admin).await, "error") == 1.0).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
     for c in clients {
         c.await.unwrap();
     }
     assert!(total.load(Ordering::Relaxed) > 30);
     assert_eq!(failures.load(Ordering::Relaxed), 0, "{}", g.log());
     let m = scrape(g.admin).await;
-    let reloads = |result: &str| {
-        m.iter()
-            .filter(|s| {
-                s.name == "switchyard_config_reloads_total"
-                    && s.labels.get("result").map(String::as_str) == Some(result)
-            })
-            .map(|s| match s.value {
-                SeriesValue::Scalar(v) => v,
-                _ => 0.0,
-            })
-            .sum::<f64>()
-    };
-    assert_eq!(reloads("ok"), 1.0);
-    assert_eq!(reloads("error"), 1.0);
+    assert_eq!(reloads(&m, "ok"), 1.0);
+    assert_eq!(reloads(&m, "error"), 1.0);
     assert_eq!(backends(&g).await["backends"].as_array().unwrap().len(), 3, "the invalid file changed nothing");
     assert!(g.log().contains("config reload rejected"));
+}
+
+/// `switchyard_config_reloads_total{result}`.
+fn reloads(m: &Scrape, result: &str) -> f64 {
+    m.iter()
+        .filter(|s| {
+            s.name == "switchyard_config_reloads_total" && s.labels.get("result").map(String::as_str) == Some(result)
+        })
+        .map(|s| match s.value {
+            SeriesValue::Scalar(v) => v,
+            _ => 0.0,
+        })
+        .sum::<f64>()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_readiness_models_and_metrics_endpoints() {
     let engine = EngineProc::start(&["--sim-profile", "instant"]);
-    let g = start_gateway(&[&engine], "{ type: least_load }").await;
+    let g = start_gateway(&[&engine], "least_load").await;
     assert_eq!(send(g.addr, "GET", "/-/healthz", bytes::Bytes::new()).await.status, 200);
     assert_eq!(send(g.addr, "GET", "/-/ready", bytes::Bytes::new()).await.status, 200);
     let models = send(g.addr, "GET", "/v1/models", bytes::Bytes::new()).await.json().await;
@@ -413,25 +403,21 @@ async fn health_readiness_models_and_metrics_endpoints() {
         assert!(m.iter().any(|s| s.name == name), "missing {name}");
     }
     // The access log is buffered and written out every second.
-    let start = Instant::now();
-    while !g.log().lines().any(|l| l.contains("\"path\":\"/v1/chat/completions\"") && l.contains("\"ttft_ms\"")) {
-        assert!(start.elapsed() < Duration::from_secs(3), "no access log line: {}", g.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("an access log line for the chat", async || {
+        g.log().lines().any(|l| l.contains("\"path\":\"/v1/chat/completions\"") && l.contains("\"ttft_ms\""))
+    })
+    .await;
     drop(engine);
     // With the only engine gone, readiness fails once the scraper notices.
-    let start = Instant::now();
-    while send(g.addr, "GET", "/-/ready", bytes::Bytes::new()).await.status != 503 {
-        assert!(start.elapsed() < Duration::from_secs(3), "readiness never failed");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("readiness fails", async || send(g.addr, "GET", "/-/ready", bytes::Bytes::new()).await.status == 503)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_cleartext_clients_stream_through_the_gateway() {
     use http_body_util::{BodyExt, Full};
     let engine = EngineProc::start(&["--sim-profile", "h100-llama3-8b"]);
-    let g = start_gateway(&[&engine], "{ type: least_load }").await;
+    let g = start_gateway(&[&engine], "least_load").await;
     let tcp = tokio::net::TcpStream::connect(g.addr).await.unwrap();
     let (mut sender, conn) =
         hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(tcp))

@@ -25,7 +25,7 @@ async fn wait_backends(g: &GatewayProc, want: &[String]) {
         if urls(&b) == want {
             return;
         }
-        assert!(start.elapsed() < Duration::from_secs(10), "backends {:?}, want {want:?}\n{}", urls(&b), g.log());
+        assert!(start.elapsed() < PATIENCE, "backends {:?}, want {want:?}\n{}", urls(&b), g.log());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -39,14 +39,9 @@ async fn endpointslices_drive_the_backend_set() {
     // Engine 1 ready, engine 2 not yet.
     kube.apply(FakeKube::slice("engines-a", p1, &[("127.0.0.1", true, false)]));
     kube.apply(FakeKube::slice("engines-b", p2, &[("127.0.0.1", false, false)]));
-    let api = kube.url.clone();
-    let g = GatewayProc::start(move |l, a| {
-        format!(
-            "listen: {l}\nadmin_listen: {a}\nthreads: 2\ndiscovery:\n  kubernetes: {{ namespace: serving, service: engines, \
-             port_name: shim, api_server: \"{api}\" }}\nscrape: {{ interval_ms: 50, timeout_ms: 500, stale_after_ms: 1000 }}\n\
-             policy: {{ type: least_load }}\n"
-        )
-    });
+    let g = GatewayProc::start(
+        &GatewayConfigBuilder::new().kubernetes("serving", "engines", "shim", &kube.url).policy("least_load"),
+    );
     wait_backends(&g, std::slice::from_ref(&u1)).await;
     wait_scraped(&g, 1).await;
     // A long stream, on engine 1 (the only one).
@@ -89,12 +84,7 @@ async fn endpointslices_drive_the_backend_set() {
 async fn a_dns_name_resolves_to_the_engines() {
     let e = EngineProc::start(&["--backend", "sim", "--sim-profile", "instant"]);
     let port = e.addr.port();
-    let g = GatewayProc::start(move |l, a| {
-        format!(
-            "listen: {l}\nadmin_listen: {a}\nthreads: 2\ndiscovery:\n  dns: {{ name: localhost, port: {port}, interval_ms: 200 }}\n\
-             scrape: {{ interval_ms: 50, timeout_ms: 500, stale_after_ms: 1000 }}\n"
-        )
-    });
+    let g = GatewayProc::start(&GatewayConfigBuilder::new().dns("localhost", port, 200));
     // `localhost` resolves to 127.0.0.1 (and ::1 where the hosts file says so).
     let start = Instant::now();
     loop {
@@ -102,7 +92,7 @@ async fn a_dns_name_resolves_to_the_engines() {
         if urls(&b).contains(&format!("http://127.0.0.1:{port}")) {
             break;
         }
-        assert!(start.elapsed() < Duration::from_secs(10), "no backend from DNS: {b}\n{}", g.log());
+        assert!(start.elapsed() < PATIENCE, "no backend from DNS: {b}\n{}", g.log());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     wait_scraped(&g, 1).await;

@@ -12,13 +12,9 @@ use switchyard_testkit::*;
 
 const MODEL: &str = "meta-llama/Meta-Llama-3-8B-Instruct";
 
-fn gateway(backends: &[String], extra: &str) -> GatewayProc {
-    gateway_with(backends, "{ type: least_load }", extra)
-}
-
-fn gateway_with(backends: &[String], policy: &str, extra: &str) -> GatewayProc {
-    let (backends, policy, extra) = (backends.to_vec(), policy.to_string(), extra.to_string());
-    GatewayProc::start(move |l, a| format!("{}{extra}", gateway_yaml(l, a, &backends, &policy)))
+/// A gateway config over `backends` with `least_load`.
+fn config(backends: &[String]) -> GatewayConfigBuilder {
+    GatewayConfigBuilder::new().backends(backends).policy("least_load")
 }
 
 /// `n` requests, `concurrency` at a time: their statuses.
@@ -59,15 +55,16 @@ async fn an_engine_refusing_connections_costs_no_client_an_error() {
     let b = FaultEngine::start(Fault::Healthy).await;
     // A port nobody listens on, declared to serve the model so it is tried at once.
     let refused = format!("http://127.0.0.1:{}", free_port());
-    let backends = [a.url(), b.url(), refused.clone()];
-    let g = GatewayProc::start(move |l, ad| {
-        let mut y = format!("listen: {l}\nadmin_listen: {ad}\nthreads: 2\ndiscovery:\n  static:\n");
-        for u in &backends {
-            y.push_str(&format!("    - {{ url: {u}, models: [m] }}\n"));
-        }
-        // Scrapes slow enough that the refusing engine is still routable for a while.
-        y + "scrape: { interval_ms: 2000, timeout_ms: 500, stale_after_ms: 10000, down_after_failures: 100 }\n"
-    });
+    // Scrapes slow enough that the refusing engine is still routable for a while.
+    let g = GatewayProc::start(
+        &GatewayConfigBuilder::new()
+            .backend_serving(&a.url(), &["m"])
+            .backend_serving(&b.url(), &["m"])
+            .backend_serving(&refused, &["m"])
+            .scrape_interval_ms(2000)
+            .stale_after_ms(10000)
+            .down_after_failures(100),
+    );
     let results = load(g.addr, 200, 8, ok("x")).await;
     let failed: Vec<_> = results.iter().filter(|r| r.0 != 200).collect();
     assert!(failed.is_empty(), "{} failures: {failed:?}", failed.len());
@@ -81,10 +78,11 @@ async fn an_engine_dropping_requests_before_answering_costs_no_client_an_error()
     // Reads each request, then closes the connection: an engine that crashed mid-admission.
     let dying = FaultEngine::start(Fault::Reset).await;
     let healthy = FaultEngine::start(Fault::Healthy).await;
-    let g = gateway_with(
-        &[dying.url(), healthy.url()],
-        "{ type: round_robin }",
-        "health: { consecutive_failures: 1000 }\n",
+    let g = GatewayProc::start(
+        &GatewayConfigBuilder::new()
+            .backends([dying.url(), healthy.url()])
+            .policy("round_robin")
+            .section("health", "{ consecutive_failures: 1000 }"),
     );
     wait_scraped(&g, 2).await;
     let results = load(g.addr, 60, 4, ok("x")).await;
@@ -98,17 +96,18 @@ async fn when_every_engine_says_503_retries_stay_within_the_budget() {
     let engines: Vec<FaultEngine> =
         futures_util::future::join_all((0..3).map(|_| FaultEngine::start(Fault::Status(503)))).await;
     let urls: Vec<String> = engines.iter().map(FaultEngine::url).collect();
-    let g = gateway(
-        &urls,
-        "retries: { max_attempts: 3, budget_percent: 20, min_retries_per_second: 1 }\n\
-         health: { consecutive_failures: 1000 }\n",
+    let g = GatewayProc::start(
+        &config(&urls)
+            .section("retries", "{ max_attempts: 3, budget_percent: 20, min_retries_per_second: 1 }")
+            .section("health", "{ consecutive_failures: 1000 }"),
     );
     wait_scraped(&g, 3).await;
     let n = 100;
     let results = load(g.addr, n, 4, ok("x")).await;
     assert!(results.iter().all(|r| r.0 == 503), "clients get the engines' 503");
+    // Passed on at once, never held back (no backoff, no waiting for a budget to refill).
     let slowest = results.iter().map(|r| r.1).max().unwrap();
-    assert!(slowest < Duration::from_millis(500), "503s come back quickly: slowest {slowest:?}");
+    assert!(slowest < Duration::from_secs(3), "503s come back quickly: slowest {slowest:?}");
     let posts: usize = engines.iter().map(FaultEngine::posts).sum();
     // 20 % of 100 requests plus 1/s over the 10 s window.
     let budget = n + n / 5 + 10;
@@ -125,11 +124,12 @@ async fn an_engine_failing_everything_is_ejected_and_readmitted() {
     let bad = FaultEngine::start(Fault::Status(500)).await;
     let mut urls: Vec<String> = good.iter().map(FaultEngine::url).collect();
     urls.push(bad.url());
-    let g = gateway_with(
-        &urls,
-        "{ type: round_robin }",
-        "retries: { retry_on_status: [500, 502, 503] }\n\
-         health: { consecutive_failures: 3, ejection_ms: 400, max_ejection_percent: 34 }\n",
+    let g = GatewayProc::start(
+        &GatewayConfigBuilder::new()
+            .backends(&urls)
+            .policy("round_robin")
+            .section("retries", "{ retry_on_status: [500, 502, 503] }")
+            .section("health", "{ consecutive_failures: 3, ejection_ms: 400, max_ejection_percent: 34 }"),
     );
     wait_scraped(&g, 3).await;
     let started = Instant::now();
@@ -154,16 +154,17 @@ async fn an_engine_failing_everything_is_ejected_and_readmitted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_engines_hit_the_timeouts_and_their_connections_are_dropped() {
     let engine = FaultEngine::start(Fault::StallBeforeHeader).await;
-    let g = gateway(
-        &[engine.url()],
-        "timeouts: { first_byte_ms: 500, idle_ms: 500 }\nhealth: { consecutive_failures: 100 }\n",
+    let g = GatewayProc::start(
+        &config(&[engine.url()])
+            .section("timeouts", "{ first_byte_ms: 500, idle_ms: 500 }")
+            .section("health", "{ consecutive_failures: 100 }"),
     );
     wait_scraped(&g, 1).await;
     // Accepts, never answers: 504 after the first-byte timeout.
     let t = Instant::now();
     let r = post(g.addr, "/v1/completions", &ok("stall")).await;
     assert_eq!(r.status, 504);
-    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(10), "504 after the 500 ms first-byte timeout, took {:?}", t.elapsed());
     assert_eq!(r.json().await["error"]["type"], "service_unavailable");
     // Stops mid-stream: the stream ends with an SSE error event after the idle timeout.
     engine.set(Fault::StallMidStream(2));
@@ -173,11 +174,7 @@ async fn stalled_engines_hit_the_timeouts_and_their_connections_are_dropped() {
     assert_eq!(events.len(), 3, "{events:?}");
     assert!(events[2].1.contains("\"error\"") && events[2].1.contains("idle_timeout"), "{events:?}");
     // Both stalled connections were closed by the gateway, never put back in its pool.
-    let start = Instant::now();
-    while engine.seen.stalls_closed.load(Ordering::SeqCst) < 2 {
-        assert!(start.elapsed() < Duration::from_secs(2), "a stalled connection stayed open");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("both stalled connections closed", async || engine.seen.stalls_closed.load(Ordering::SeqCst) >= 2).await;
     engine.set(Fault::Healthy);
     let before = engine.seen.connections.load(Ordering::SeqCst);
     let r = post(g.addr, "/v1/completions", &ok("fine")).await;
@@ -191,7 +188,7 @@ async fn killing_one_of_three_engines_under_200_streams_fails_no_unstarted_reque
     let mut engines: Vec<EngineProc> =
         (0..3).map(|_| EngineProc::start(&["--sim-profile", "h100-llama3-8b"])).collect();
     let urls: Vec<String> = engines.iter().map(EngineProc::url).collect();
-    let g = gateway(&urls, "");
+    let g = GatewayProc::start(&config(&urls));
     wait_scraped(&g, 3).await;
     let mut streams = Vec::new();
     for i in 0..200 {
@@ -227,7 +224,7 @@ async fn killing_one_of_three_engines_under_200_streams_fails_no_unstarted_reque
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hundred_clients_leaving_after_five_tokens_free_the_engine() {
     let engine = EngineProc::start(&["--sim-profile", "h100-llama3-8b"]);
-    let g = gateway(&[engine.url()], "");
+    let g = GatewayProc::start(&config(&[engine.url()]));
     wait_scraped(&g, 1).await;
     let mut clients = Vec::new();
     for i in 0..100 {
@@ -247,7 +244,8 @@ async fn a_hundred_clients_leaving_after_five_tokens_free_the_engine() {
     for c in clients {
         last_leave = last_leave.max(c.await.unwrap());
     }
-    wait_for_metrics(engine.addr, Duration::from_secs(2), "every aborted request freed", |s| {
+    // Freed long before their 2,000 tokens would have been generated (~30 s).
+    wait_for_metrics(engine.addr, Duration::from_secs(10), "every aborted request freed", |s| {
         metric(s, "vllm:num_requests_running") == 0.0 && metric(s, "vllm:kv_cache_usage_perc") == 0.0
     })
     .await;
@@ -258,7 +256,7 @@ async fn a_hundred_clients_leaving_after_five_tokens_free_the_engine() {
 async fn http2_stream_resets_leave_the_other_streams_alone() {
     use http_body_util::{BodyExt, Full};
     let engine = FaultEngine::start(Fault::Slow { events: 20, gap_ms: 20 }).await;
-    let g = gateway(&[engine.url()], "");
+    let g = GatewayProc::start(&config(&[engine.url()]));
     wait_scraped(&g, 1).await;
     let tcp = tokio::net::TcpStream::connect(g.addr).await.unwrap();
     let (sender, conn) =
@@ -312,15 +310,9 @@ async fn http2_stream_resets_leave_the_other_streams_alone() {
     let (events, after) = full(sender.clone(), g.addr).await;
     assert_eq!(events, 21);
     eprintln!("a stream took {baseline:?} before the resets and {after:?} after");
-    assert!(after < baseline + Duration::from_millis(200), "{after:?} vs {baseline:?}");
+    // Not left degraded: a 20-event stream (~0.4 s) is not held up by leftovers of the resets.
+    assert!(after < baseline * 3 + Duration::from_secs(1), "{after:?} vs {baseline:?}");
     // Every reset stream's upstream request was closed.
-    let start = Instant::now();
-    while engine.seen.open.load(Ordering::SeqCst) > 3 {
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "{} engine connections still open",
-            engine.seen.open.load(Ordering::SeqCst)
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("every reset stream's engine connection closed", async || engine.seen.open.load(Ordering::SeqCst) <= 3)
+        .await;
 }

@@ -22,8 +22,7 @@ async fn a_long_conversation_stays_on_the_engine_that_cached_it() {
         EngineProc::start(&["--sim-profile", "h100-llama3-8b"]),
         EngineProc::start(&["--sim-profile", "h100-llama3-8b"]),
     ];
-    let urls: Vec<String> = engines.iter().map(|e| e.url()).collect();
-    let g = GatewayProc::start(|l, a| gateway_yaml(l, a, &urls, "{ type: cost }"));
+    let g = GatewayProc::start(&GatewayConfigBuilder::new().backends(engines.iter().map(|e| e.url())).policy("cost"));
     wait_scraped(&g, 2).await;
     let hits_before: Vec<f64> = {
         let mut v = Vec::new();

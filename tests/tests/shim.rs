@@ -22,7 +22,7 @@ async fn wait_body(addr: std::net::SocketAddr, path: &str, needle: &str) -> Stri
         if body.contains(needle) {
             return body;
         }
-        assert!(start.elapsed() < Duration::from_secs(15), "{path} never said {needle:?}: {body}");
+        assert!(start.elapsed() < PATIENCE, "{path} never said {needle:?}: {body}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -34,7 +34,7 @@ async fn wait_status(addr: std::net::SocketAddr, path: &str, want: u16) -> Strin
         if s == want {
             return body;
         }
-        assert!(start.elapsed() < Duration::from_secs(15), "{path} stayed {s}: {body}");
+        assert!(start.elapsed() < PATIENCE, "{path} stayed {s}: {body}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -118,9 +118,7 @@ async fn a_gateway_reading_sidecars_stops_routing_to_a_draining_pod() {
     let s1 = ShimProc::start(&e1.url(), &["--scrape-interval-ms", "20", "--drain-timeout", "30"]);
     let s2 = ShimProc::start(&e2.url(), &["--scrape-interval-ms", "20"]);
     let urls = [format!("http://{}", s1.addr), format!("http://{}", s2.addr)];
-    let g = GatewayProc::start(|l, a| {
-        gateway_yaml(l, a, &urls, "{ type: least_load }").replace("scrape: {", "scrape: { source: load,")
-    });
+    let g = GatewayProc::start(&GatewayConfigBuilder::new().backends(&urls).policy("least_load").scrape_source("load"));
     wait_scraped(&g, 2).await;
     for i in 0..6 {
         let r = post(g.addr, "/v1/completions", &json!({"prompt": format!("hi {i}"), "max_tokens": 4})).await;
@@ -141,7 +139,7 @@ async fn a_gateway_reading_sidecars_stops_routing_to_a_draining_pod() {
             assert!(b["scrape_error"].as_str().unwrap_or("").contains("draining"), "{b}");
             break;
         }
-        assert!(start.elapsed() < Duration::from_secs(5), "the draining pod stayed {b}");
+        assert!(start.elapsed() < PATIENCE, "the draining pod stayed {b}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let before = pod(&backends(&g).await)["routed"].as_u64().unwrap();

@@ -24,13 +24,13 @@ async fn tls_gateway(pki: &TestPki, engine: &FaultEngine) -> (GatewayProc, std::
     let (a, b) = (pki.issue(&["a.test"]), pki.issue(&["b.test", "*.b.test"]));
     let (a_crt, a_key) = TestPki::write(&a, &dir, "a");
     let (b_crt, b_key) = TestPki::write(&b, &dir, "b");
-    let url = engine.url();
-    let g = GatewayProc::start(move |l, ad| {
-        format!(
-            "{}tls:\n  cert_file: {a_crt}\n  key_file: {a_key}\n  certs:\n    - {{ cert_file: {b_crt}, key_file: {b_key} }}\n",
-            gateway_yaml(l, ad, std::slice::from_ref(&url), "{ type: least_load }")
-        )
-    });
+    let g = GatewayProc::start(
+        &GatewayConfigBuilder::new()
+            .backends([engine.url()])
+            .policy("least_load")
+            .tls(&a_crt, &a_key)
+            .sni_cert(&b_crt, &b_key),
+    );
     wait_scraped(&g, 1).await;
     (g, dir, a.der, b.der)
 }
@@ -93,7 +93,7 @@ async fn certificates_rotate_without_dropping_connections() {
         if served_leaf(&tls) == renewed.der {
             break;
         }
-        assert!(start.elapsed() < Duration::from_secs(5), "the renewed certificate was not picked up");
+        assert!(start.elapsed() < PATIENCE, "the renewed certificate was not picked up");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // The connection made before the rotation still works.
@@ -115,7 +115,7 @@ async fn certificates_rotate_without_dropping_connections() {
         if refused {
             break;
         }
-        assert!(start.elapsed() < Duration::from_secs(5), "the broken renewal was not noticed");
+        assert!(start.elapsed() < PATIENCE, "the broken renewal was not noticed");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let tls = pki.connect(g.addr, "a.test", &[b"http/1.1"]).await;
@@ -131,13 +131,8 @@ async fn https_backends_are_verified_against_the_configured_ca() {
     let ca = dir.join("ca.crt");
     std::fs::write(&ca, pki.ca_pem()).unwrap();
     let backend = format!("https://localhost:{}", front.port());
-    let trusting = GatewayProc::start(|l, a| {
-        format!(
-            "{}upstream_tls: {{ ca_file: {} }}\n",
-            gateway_yaml(l, a, std::slice::from_ref(&backend), "{ type: least_load }"),
-            ca.display()
-        )
-    });
+    let trusting =
+        GatewayProc::start(&GatewayConfigBuilder::new().backends([&backend]).policy("least_load").upstream_ca(&ca));
     wait_scraped(&trusting, 1).await;
     let r = post(trusting.addr, "/v1/completions", &json!({"model": "m", "prompt": "p"})).await;
     assert_eq!(r.status, 200, "through TLS to the engine");
@@ -151,13 +146,14 @@ async fn https_backends_are_verified_against_the_configured_ca() {
     std::fs::write(&untrusted_ca, other.ca_pem()).unwrap();
     // Scrapes fail (and would mark it down); declared models and a long scrape interval let
     // the proxy itself try, and refuse, the connection.
-    let doubting = GatewayProc::start(|l, a| {
-        format!(
-            "listen: {l}\nadmin_listen: {a}\ndiscovery:\n  static:\n    - {{ url: {backend}, models: [m] }}\n\
-             scrape: {{ interval_ms: 60000, stale_after_ms: 60000, down_after_failures: 100 }}\nupstream_tls: {{ ca_file: {} }}\n",
-            untrusted_ca.display()
-        )
-    });
+    let doubting = GatewayProc::start(
+        &GatewayConfigBuilder::new()
+            .backend_serving(&backend, &["m"])
+            .scrape_interval_ms(60000)
+            .stale_after_ms(60000)
+            .down_after_failures(100)
+            .upstream_ca(&untrusted_ca),
+    );
     let r = post(doubting.addr, "/v1/completions", &json!({"model": "m", "prompt": "p"})).await;
     assert_eq!(r.status, 502, "the engine's certificate is not trusted");
     let b = backends(&doubting).await;
