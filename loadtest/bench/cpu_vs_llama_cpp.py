@@ -11,8 +11,10 @@ switchyard-loadtest over the OpenAI completions API:
 2. prompt processing: 1 stream, 512-token prompt, 1 output token → prompt tokens / TTFT;
 3. aggregate: 16 concurrent streams, 64-token prompts, 128 output tokens → output tokens/s.
 
-Prints the figures and the ratios against the bars of issue #6 (single ≥ 0.7×, aggregate ≥ 1.0×,
-prompt processing ≥ 1.0×). Usage: python3 loadtest/bench/cpu_vs_llama_cpp.py [--quick]
+Bars (issue #6): single-stream decode ≥ 0.7× llama.cpp, prompt processing ≥ 1.0×, aggregate
+≥ 1.0×. Prints the figures, then each bar with its measured ratio; exits 1 when a bar is
+missed, 2 when it could not measure (a setup error).
+Usage: python3 loadtest/bench/cpu_vs_llama_cpp.py [--quick]
 """
 import json
 import os
@@ -22,6 +24,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bars import Bars, SetupError, run  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.join(ROOT, "target", "release")
@@ -47,7 +52,7 @@ def wait_ready(url, timeout=120):
                     return
         except Exception:
             time.sleep(0.2)
-    raise RuntimeError(f"{url} did not become ready")
+    raise SetupError(f"{url} did not become ready")
 
 
 def serve(name):
@@ -71,7 +76,9 @@ def loadtest(name, url, out, *args, seed=1):
     d = os.path.join(WORK, f"{name}-{out}")
     cmd = [f"{BIN}/switchyard-loadtest", "run", "--endpoint", "completions", "--model", "smollm2", "--seed", str(seed),
            "--target", f"{name}={url}", "--out", d, *args]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SetupError(f"switchyard-loadtest failed against {name}:\n{done.stderr[-2000:]}")
     with open(os.path.join(d, "summary.json")) as f:
         return json.load(f)["targets"][0]
 
@@ -110,7 +117,7 @@ def measure_both():
 
 def main():
     if not os.path.exists(MODEL):
-        sys.exit(f"{MODEL} is missing: run scripts/setup.sh")
+        raise SetupError(f"{MODEL} is missing: run scripts/setup.sh")
     if not os.path.exists(f"{LLAMA}/llama-server"):
         subprocess.run([os.path.join(ROOT, "scripts", "build-llama-cpp.sh")], check=True)
     subprocess.run(["cargo", "build", "--release", "--locked", "-p", "switchyard-engine", "-p", "switchyard-loadtest"],
@@ -124,13 +131,14 @@ def main():
     bars = {"single": 0.7, "prompt": 1.0, "aggregate": 1.0}
     labels = {"single": "single-stream decode, tokens/s", "prompt": "prompt processing (512-token TTFT), tokens/s",
               "aggregate": "16 concurrent streams, output tokens/s"}
-    ok = True
+    result = Bars()
     for k in ["single", "prompt", "aggregate"]:
         ratio = ours[k] / theirs[k]
-        ok &= ratio >= bars[k]
+        result.check(f"switchyard ÷ llama.cpp, {labels[k]}", ratio, ">=", bars[k], "×")
         print(f"| {labels[k]} | {ours[k]:.0f} | {theirs[k]:.0f} | {ratio:.2f}× | ≥ {bars[k]}× |")
-    print(f"\nbars met: {'yes' if ok else 'NO'} (reports under {WORK})")
+    print(f"\n(reports under {WORK})")
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

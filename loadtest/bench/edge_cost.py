@@ -15,6 +15,8 @@ alternating, medians of 3:
 3. full TLS handshakes per second (`openssl s_time -new`, a new session each time), with
    NGINX serving the same certificate as the anchor when nginx is installed.
 
+Bars: none; the figures are reported (README, Performance). Exits 0 once it has measured,
+2 when it could not measure (a setup error).
 Usage: python3 loadtest/bench/edge_cost.py [--quick]
 """
 import hashlib
@@ -30,6 +32,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gateway_vs_nginx as base  # noqa: E402  (shared process helpers)
+from bars import Bars, SetupError, run  # noqa: E402
 
 ROOT = base.ROOT
 BIN = base.BIN
@@ -71,7 +74,7 @@ def start_gateway(name, engine_url, extra, ca=None):
                     break
         except Exception:
             if time.time() - start > 30:
-                raise SystemExit(f"{name} did not come up: see {log.name}")
+                raise SetupError(f"{name} did not come up: see {log.name}")
             time.sleep(0.05)
     return port, f"{scheme}://127.0.0.1:{port}"
 
@@ -116,7 +119,7 @@ def handshakes_per_s(port, seconds):
                          capture_output=True, text=True).stdout
     m = re.search(r"(\d+) connections in ([\d.]+) real seconds", out)
     if not m:
-        raise SystemExit(f"openssl s_time gave no figure:\n{out}")
+        raise SetupError(f"openssl s_time gave no figure:\n{out}")
     return int(m.group(1)) / float(m.group(2))
 
 
@@ -166,14 +169,8 @@ def main():
         line += " |"
     print(line)
     print(f"\n(reports under {WORK})")
+    return Bars()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        for p in base.procs:
-            try:
-                os.killpg(p.pid, 9)
-            except Exception:
-                pass
+    run(main, cleanup=base.kill_all)

@@ -11,9 +11,15 @@ Both get 2 workers. Measured with switchyard-loadtest:
    Poisson): e2e and TTFT p50/p99 of each path minus direct;
 3. memory: RSS with 1,000 open streams (a slow `h100-llama3-8b` engine keeps them open).
 
-Prints the figures and the ratios against the bars of issue #3.
-Usage: python3 loadtest/bench/gateway_vs_nginx.py [--quick]
+Bars (issue #3): gateway requests/s at saturation ≥ 0.8× NGINX's; gateway e2e p99 added over
+direct ≤ 2 ms; gateway RSS with 1,000 open streams < 100 MB. Prints the figures, then each bar
+with its measured value; exits 1 when a bar is missed, 2 when it could not measure.
+
+The gateway routes with `--policy` (default `least_load`, the cheapest per request; `cost`,
+the gateway's default, also prices each prompt against the prefix index).
+Usage: python3 loadtest/bench/gateway_vs_nginx.py [--quick] [--policy NAME]
 """
+import argparse
 import json
 import os
 import shutil
@@ -24,12 +30,13 @@ import sys
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bars import Bars, SetupError, run  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.join(ROOT, "target", "release")
 WORK = os.path.join(ROOT, ".cache", "bench", "gateway-vs-nginx")
-QUICK = "--quick" in sys.argv
-DURATION = "3" if QUICK else "5"
-ROUNDS = 1 if QUICK else 3
+POLICY = "least_load"  # the benchmarked gateway's routing policy (--policy)
 procs = []
 
 
@@ -51,7 +58,8 @@ def start_engine(*args):
     p = spawn([f"{BIN}/switchyard-engine", "--host", "127.0.0.1", "--port", "0", *args],
               stdout=subprocess.PIPE, text=True, env={**os.environ, "RUST_LOG": "warn"})
     line = p.stdout.readline().strip()
-    assert line.startswith("listening on http://"), line
+    if not line.startswith("listening on http://"):
+        raise SetupError(f"switchyard-engine {' '.join(args)} did not start: {line!r}")
     return p, line.removeprefix("listening on ")
 
 
@@ -64,7 +72,7 @@ def wait_http(url, timeout=30):
                     return
         except Exception:
             time.sleep(0.05)
-    raise SystemExit(f"{url} did not come up")
+    raise SetupError(f"{url} did not come up")
 
 
 def start_gateway(name, engine_url):
@@ -72,7 +80,7 @@ def start_gateway(name, engine_url):
     cfg = os.path.join(WORK, f"{name}.yaml")
     with open(cfg, "w") as f:
         f.write(f"listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin}\nthreads: 2\n"
-                f"discovery:\n  static:\n    - url: {engine_url}\npolicy: {{ type: least_load }}\n"
+                f"discovery:\n  static:\n    - url: {engine_url}\npolicy: {{ type: {POLICY} }}\n"
                 # e.g. SWITCHYARD_BENCH_GATEWAY_EXTRA='work_stealing: false' to compare settings
                 + os.environ.get("SWITCHYARD_BENCH_GATEWAY_EXTRA", "") + "\n")
     log = open(os.path.join(WORK, f"{name}.log"), "w")
@@ -128,7 +136,9 @@ def loadtest(out, targets, *args):
            "--output-len", "16", "--seed", "1", "--out", os.path.join(WORK, out)]
     for name, url in targets:
         cmd += ["--target", f"{name}={url}"]
-    subprocess.run(cmd + list(args), check=True, stderr=subprocess.DEVNULL)
+    done = subprocess.run(cmd + list(args), stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SetupError(f"switchyard-loadtest failed ({out}):\n{done.stderr[-2000:]}")
     with open(os.path.join(WORK, out, "summary.json")) as f:
         return {t["target"]: t for t in json.load(f)["targets"]}
 
@@ -169,7 +179,7 @@ def measure(targets, rounds_n, duration, half_of, *extra):
     for name, runs in sat.items():
         for x in runs:
             if x.get("failed", 0):
-                raise SystemExit(f"{name}: {x['failed']} failed requests; see {WORK}")
+                raise SetupError(f"{name}: {x['failed']} failed requests; see {WORK}")
     rps = {k: median([x["requests_per_s"] for x in v]) for k, v in sat.items()}
     half = 0.5 * min(rps[k] for k in half_of)
     lat_rounds = rounds("half-load", "--rate", f"{half:.1f}", "--duration-s", duration, "--warmup", "100")
@@ -183,7 +193,19 @@ def added(lat, target, metric, q):
     return lat[target][metric][q] - lat["direct"][metric][q]
 
 
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1 round of 3 s (a smoke run, not the benchmark)")
+    ap.add_argument("--policy", default="least_load",
+                    help="the gateway's routing policy (least_load, cost, round_robin, ...; default least_load)")
+    return ap.parse_args(argv)
+
+
 def main():
+    global POLICY
+    args = parse_args()
+    POLICY = args.policy
+    duration, rounds_n = ("3", 1) if args.quick else ("5", 3)
     if not shutil.which("nginx"):
         subprocess.run(["apt-get", "install", "-y", "-qq", "nginx-light"], check=True)
     subprocess.run(["cargo", "build", "--release", "--locked", "-p", "switchyard-engine", "-p", "switchyard-gateway",
@@ -195,7 +217,7 @@ def main():
     _, ngx = start_nginx("nginx", fast)
     targets = [("direct", fast), ("nginx", ngx), ("gateway", gw)]
 
-    rps, half, lat = measure(targets, ROUNDS, DURATION, ["nginx", "gateway"], "--prewarm-connections", "64")
+    rps, half, lat = measure(targets, rounds_n, duration, ["nginx", "gateway"], "--prewarm-connections", "64")
 
     slow_procs = []
     _, slow = start_engine("--sim-profile", "h100-llama3-8b", "--max-num-seqs", "1100")
@@ -210,27 +232,32 @@ def main():
         mem[name] = rss_mb(pids())
         lt.wait()
 
-    print("\n## Gateway vs NGINX (same upstream, same 2 cores)\n")
+    print(f"\n## Gateway (policy {POLICY}) vs NGINX (same upstream, same 2 cores)\n")
     print("| figure | direct | nginx | gateway | gateway ÷ nginx | bar |")
     print("|---|---:|---:|---:|---:|---|")
-    print(f"| requests/s at saturation (64 concurrent, 16 in / 16 out, streamed; median of {ROUNDS}) | {rps['direct']:.0f} | {rps['nginx']:.0f} | "
+    print(f"| requests/s at saturation (64 concurrent, 16 in / 16 out, streamed; median of {rounds_n}) | {rps['direct']:.0f} | {rps['nginx']:.0f} | "
           f"{rps['gateway']:.0f} | {rps['gateway'] / rps['nginx']:.2f}× | ≥ 0.8× |")
     for metric, label in [("e2e_ms", "e2e"), ("ttft_ms", "TTFT")]:
         for q in ["p50", "p99"]:
-            print(f"| {label} {q} added over direct at {half:.0f} req/s, Poisson (ms; median of {ROUNDS}) | 0 | {added(lat, 'nginx', metric, q):+.2f} | "
+            print(f"| {label} {q} added over direct at {half:.0f} req/s, Poisson (ms; median of {rounds_n}) | 0 | {added(lat, 'nginx', metric, q):+.2f} | "
                   f"{added(lat, 'gateway', metric, q):+.2f} | | {'≤ 2 ms' if q == 'p99' else ''} |")
     print(f"| RSS with 1,000 open streams (MB) | | {mem['nginx']:.1f} | {mem['gateway']:.1f} | "
           f"{mem['gateway'] / mem['nginx']:.2f}× | < 100 MB |")
-    ok = (rps["gateway"] >= 0.8 * rps["nginx"] and added(lat, "gateway", "e2e_ms", "p99") <= 2.0 and mem["gateway"] < 100)
-    print(f"\nbars met: {'yes' if ok else 'NO'}  (reports under {WORK})")
+    print(f"\n(reports under {WORK})")
+    bars = Bars()
+    bars.check(f"gateway ({POLICY}) ÷ NGINX requests/s at saturation", rps["gateway"] / rps["nginx"], ">=", 0.8, "×")
+    bars.check(f"gateway ({POLICY}) e2e p99 added over direct", added(lat, "gateway", "e2e_ms", "p99"), "<=", 2.0, " ms")
+    bars.check("gateway RSS with 1,000 open streams", mem["gateway"], "<", 100, " MB")
+    return bars
+
+
+def kill_all():
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except Exception:
+            pass
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except Exception:
-                pass
+    run(main, cleanup=kill_all)

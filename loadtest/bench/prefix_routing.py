@@ -20,12 +20,21 @@ Workloads (issue #5):
 Prints, per workload and policy: TTFT p50/p90/p99, ITL p50/p99, output tokens/s, the
 engines' aggregate prefix-cache hit rate; then the bars' ratios. Writes one TTFT CDF per
 workload with every policy on it (`<workload>-ttft-cdf.svg` under the work directory).
+Bars (issue #5): on shared-prefix, cost TTFT p90 ≤ 0.5× round_robin's and ≤ 0.8× least_load's,
+cost requests/s at saturation ≥ round_robin's; on no-prefix, cost TTFT p90 ≤ 1.05×
+least_load's. Exits 1 when a bar is missed, 2 when it could not measure (a setup error); a
+run narrowed by --workloads/--policies so that the bars have nothing to compare only reports
+(exit 0).
 Usage: python3 loadtest/bench/prefix_routing.py [--quick] [--rate R] [--requests N]
 """
 import argparse
 import json
 import os
 import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bars import Bars, SetupError, run  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.join(ROOT, "target", "release")
@@ -38,7 +47,8 @@ def cluster(name, policy, engines, workload_args):
     out = os.path.join(WORK, f"{name}-{policy}")
     cmd = [f"{BIN}/switchyard-loadtest", "cluster", "--engines", str(engines), "--sim-profile", "h100-llama3-8b",
            "--policy", policy, "--", "--endpoint", "chat", "--seed", "1", "--out", out, *workload_args]
-    subprocess.run(cmd, check=True)
+    if subprocess.run(cmd).returncode != 0:
+        raise SetupError(f"switchyard-loadtest cluster failed ({name}, {policy})")
     with open(os.path.join(out, "summary.json")) as f:
         s = json.load(f)
     t = s["targets"][0]
@@ -173,23 +183,26 @@ def main():
         ttft_cdf_svg(w, results[w], os.path.join(WORK, f"{w}-ttft-cdf.svg"))
 
     need = {"shared-prefix": ["round_robin", "least_load", "cost"], "no-prefix": ["least_load", "cost"]}
-    if any(w not in results or any(p not in results[w] for p in ps) for w, ps in need.items()):
-        print(f"\n(bars need shared-prefix and no-prefix with round_robin, least_load, cost; reports under {WORK})")
-        return
-    sp, npf = results["shared-prefix"], results["no-prefix"]
-    r_rr = sp["cost"]["ttft"]["p90"] / sp["round_robin"]["ttft"]["p90"]
-    r_ll = sp["cost"]["ttft"]["p90"] / sp["least_load"]["ttft"]["p90"]
-    sat = saturation.get("shared-prefix", {})
-    thr = sat["cost"]["rps"] / sat["round_robin"]["rps"] if "cost" in sat and "round_robin" in sat else float("nan")
-    nop = npf["cost"]["ttft"]["p90"] / npf["least_load"]["ttft"]["p90"]
-    print("\n| bar | measured | met |")
-    print("|---|---:|---|")
-    print(f"| cost TTFT p90 ≤ 0.5× round_robin (shared prefix) | {r_rr:.2f}× | {'yes' if r_rr <= 0.5 else 'NO'} |")
-    print(f"| cost TTFT p90 ≤ 0.8× least_load (shared prefix) | {r_ll:.2f}× | {'yes' if r_ll <= 0.8 else 'NO'} |")
-    print(f"| cost throughput at saturation ≥ round_robin (shared prefix) | {thr:.2f}× | {'yes' if thr >= 1.0 else 'NO'} |")
-    print(f"| cost TTFT p90 within 5% of least_load (no prefix) | {nop:.2f}× | {'yes' if nop <= 1.05 else 'NO'} |")
     print(f"\nreports under {WORK}")
+    bars = Bars()
+    if any(w not in results or any(p not in results[w] for p in ps) for w, ps in need.items()):
+        print("\n(the bars need shared-prefix and no-prefix with round_robin, least_load and cost)")
+        return None
+    sp, npf = results["shared-prefix"], results["no-prefix"]
+    bars.check("cost ÷ round_robin TTFT p90 (shared prefix)",
+               sp["cost"]["ttft"]["p90"] / sp["round_robin"]["ttft"]["p90"], "<=", 0.5, "×")
+    bars.check("cost ÷ least_load TTFT p90 (shared prefix)",
+               sp["cost"]["ttft"]["p90"] / sp["least_load"]["ttft"]["p90"], "<=", 0.8, "×")
+    sat = saturation.get("shared-prefix", {})
+    if "cost" in sat and "round_robin" in sat:
+        bars.check("cost ÷ round_robin requests/s at saturation (shared prefix)",
+                   sat["cost"]["rps"] / sat["round_robin"]["rps"], ">=", 1.0, "×")
+    else:
+        print("(no saturation runs with --rate: the throughput bar is not measured)")
+    bars.check("cost ÷ least_load TTFT p90 (no prefix)",
+               npf["cost"]["ttft"]["p90"] / npf["least_load"]["ttft"]["p90"], "<=", 1.05, "×")
+    return bars
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

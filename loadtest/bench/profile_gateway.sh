@@ -6,10 +6,16 @@
 # start-up (~65M, mostly parsing the system CA bundle), and the profile file for
 # `callgrind_annotate`.
 #
+# Bars: none (the count is reported, README Performance). Exit status: 0 once it has counted,
+# 2 when it could not (a setup error: a build, a server or the load run failed). Like the other
+# benchmarks here, a missed bar would be 1.
+#
 # Usage: loadtest/bench/profile_gateway.sh [REQUESTS]   (default 3000; takes ~1 minute)
 set -euo pipefail
+trap 'echo "setup error: line $LINENO failed" >&2; exit 2' ERR
 cd "$(dirname "$0")/../.."
 N="${1:-3000}"
+[[ $N =~ ^[1-9][0-9]*$ ]] || { echo "setup error: REQUESTS must be a positive number, got $N" >&2; exit 2; }
 command -v valgrind >/dev/null || apt-get install -y -qq valgrind
 cargo build --release --locked -p switchyard-engine -p switchyard-gateway -p switchyard-loadtest
 B=target/release
@@ -38,10 +44,13 @@ for _ in $(seq 1 300); do
   curl -fs -o /dev/null "http://127.0.0.1:$GW_PORT/-/ready" && break
   sleep 0.2
 done
+curl -fs -o /dev/null "http://127.0.0.1:$GW_PORT/-/ready" || { echo "setup error: the gateway did not become ready; see $W/gateway.log" >&2; exit 2; }
 $B/switchyard-loadtest run --endpoint completions --target "gateway=http://127.0.0.1:$GW_PORT" \
   --input-len 16 --output-len 16 --concurrency 8 --requests "$N" --prewarm-connections 8 \
   --out "$W/loadtest" 2>&1 | grep "req/s"
 kill -INT "$GW"
 wait "$GW" 2>/dev/null || true
-total=$(callgrind_annotate "$W/callgrind.out" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
-echo "gateway instructions: $total in all for $N requests (start-up included); profile: $W/callgrind.out"
+total=$(callgrind_annotate "$W/callgrind.out" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}' || true)
+[[ $total =~ ^[0-9]+$ ]] || { echo "setup error: no instruction count in $W/callgrind.out" >&2; exit 2; }
+echo "gateway instructions: $total in all for $N requests (start-up included), $((total / N)) per request; profile: $W/callgrind.out"
+echo "bars: none (this benchmark reports figures only)"
