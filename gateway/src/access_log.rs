@@ -6,9 +6,8 @@
 //! [`BUFFER_BYTES`] or when [`AccessLog::flush`] runs (every second from the reloader, and
 //! at shutdown). Lines are never split: the buffer only ever holds whole lines.
 
+use parking_lot::Mutex;
 use std::io::Write;
-use std::sync::Mutex;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
@@ -73,7 +72,7 @@ impl AccessLog {
     /// Append one line; writes the buffer out when it is full.
     pub fn log(&self, line: &AccessLine<'_>) {
         let full = {
-            let mut buf = self.buf.lock().expect("access log buffer");
+            let mut buf = self.buf.lock();
             if serde_json::to_writer(&mut *buf, line).is_err() {
                 return;
             }
@@ -87,22 +86,17 @@ impl AccessLog {
 
     /// Write out whatever is buffered.
     pub fn flush(&self) {
-        let bytes = std::mem::take(&mut *self.buf.lock().expect("access log buffer"));
+        let bytes = std::mem::take(&mut *self.buf.lock());
         if !bytes.is_empty() {
             self.write(&bytes);
         }
     }
 
     fn write(&self, bytes: &[u8]) {
-        let mut out = self.out.lock().expect("access log output");
+        let mut out = self.out.lock();
         let _ = out.write_all(bytes);
         let _ = out.flush();
     }
-}
-
-/// Unix time in ms.
-pub fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 #[cfg(test)]
@@ -114,7 +108,7 @@ mod tests {
     struct Shared(Arc<Mutex<Vec<u8>>>);
     impl Write for Shared {
         fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(b);
+            self.0.lock().extend_from_slice(b);
             Ok(b.len())
         }
         fn flush(&mut self) -> std::io::Result<()> {
@@ -148,14 +142,14 @@ mod tests {
         let out = Shared::default();
         let log = AccessLog::new(Box::new(out.clone()));
         log.log(&line(1));
-        assert!(out.0.lock().unwrap().is_empty(), "buffered");
+        assert!(out.0.lock().is_empty(), "buffered");
         for i in 0..2000 {
             log.log(&line(i));
         }
-        let written = out.0.lock().unwrap().len();
+        let written = out.0.lock().len();
         assert!(written >= BUFFER_BYTES, "a full buffer is written");
         log.flush();
-        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        let text = String::from_utf8(out.0.lock().clone()).unwrap();
         let lines: Vec<_> = text.lines().collect();
         assert_eq!(lines.len(), 2001);
         for l in lines {

@@ -10,7 +10,7 @@ use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
 use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
 
-use crate::proxy::respond;
+use crate::http::respond;
 use crate::state::GatewayState;
 
 /// The admin app.
@@ -35,7 +35,7 @@ impl AdminApp {
             .iter()
             .map(|b| {
                 let scraped = b.scraped.load();
-                let health = b.health.lock().expect("health lock").clone();
+                let health = b.health.lock().clone();
                 let signal = scraped.signal.as_ref().map(|(s, at)| {
                     serde_json::json!({
                         "dialect": s.dialect.as_str(),

@@ -8,7 +8,9 @@
 
 use std::cmp::Reverse;
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use tokio::sync::Notify;
 
@@ -40,7 +42,7 @@ impl AdmissionQueue {
 
     /// Requests waiting.
     pub fn len(&self) -> usize {
-        self.inner.lock().expect("queue lock").order.len()
+        self.inner.lock().order.len()
     }
 
     /// Whether nobody waits.
@@ -50,7 +52,7 @@ impl AdmissionQueue {
 
     /// Join with `priority` (higher leaves first) unless `max` are already waiting.
     pub fn try_enter(self: &Arc<Self>, priority: i32, max: usize) -> Option<Ticket> {
-        let mut inner = self.inner.lock().expect("queue lock");
+        let mut inner = self.inner.lock();
         if inner.order.len() >= max {
             return None;
         }
@@ -69,13 +71,13 @@ impl AdmissionQueue {
 impl Ticket {
     /// Whether this ticket is the next to leave.
     pub fn is_first(&self) -> bool {
-        self.queue.inner.lock().expect("queue lock").order.first() == Some(&self.key)
+        self.queue.inner.lock().order.first() == Some(&self.key)
     }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.queue.inner.lock().expect("queue lock").order.remove(&self.key);
+        self.queue.inner.lock().order.remove(&self.key);
         self.queue.changed.notify_waiters();
     }
 }

@@ -18,7 +18,9 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -26,6 +28,7 @@ use pingora::upstreams::peer::{HttpPeer, Peer};
 use switchyard_shim::LoadSignal;
 
 use crate::config::HealthConfig;
+use crate::ewma::Ewma;
 use crate::policy::{Candidate, SignalView};
 
 /// What the scraper last learned about a backend.
@@ -70,6 +73,10 @@ pub struct BackendSpec {
 /// Requests with less prefill work than this teach nothing about the prefill rate.
 pub const MIN_SAMPLE_TOKENS: u64 = 256;
 
+/// How fast a learned prefill rate forgets: after this long without samples the old rate
+/// weighs 1/e against a new sample ([`Ewma`]).
+pub const PREFILL_RATE_DECAY: Duration = Duration::from_secs(2);
+
 /// The stable key of a backend URL.
 pub fn backend_key(url: &str) -> u64 {
     xxhash_rust::xxh3::xxh3_64(url.as_bytes())
@@ -106,8 +113,11 @@ pub struct Backend {
     pub key: u64,
     /// Estimated prompt tokens dispatched here that have not produced a first byte yet.
     pub pending_prefill_tokens: AtomicU64,
-    /// Learned prefill rate in tokens/s as `f64` bits (0.0: not learned yet).
+    /// Learned prefill rate in tokens/s as `f64` bits (0.0: not learned yet), published
+    /// for lock-free reads on the request path.
     prefill_rate_bits: AtomicU64,
+    /// The average behind it.
+    prefill_rate: Mutex<Option<Ewma>>,
 }
 
 impl Backend {
@@ -141,6 +151,7 @@ impl Backend {
             key: backend_key(spec.url.trim_end_matches('/')),
             pending_prefill_tokens: AtomicU64::new(0),
             prefill_rate_bits: AtomicU64::new(0),
+            prefill_rate: Mutex::new(None),
         };
         backend.peer = spec.addr.map(|addr| HttpPeer::new(addr, backend.tls(), backend.host().to_string()));
         backend.pool_key = backend.peer.as_ref().map_or(0, Peer::reuse_hash);
@@ -153,22 +164,28 @@ impl Backend {
     }
 
     /// Learn from one request: `tokens` of prefill work (its queue ahead plus its uncached
-    /// prompt, as estimated at dispatch) took `ttft_s` to the first byte. EWMA with weight
-    /// 0.2; samples under `MIN_SAMPLE_TOKENS` are skipped (fixed overheads dominate them).
-    pub fn observe_prefill(&self, tokens: u64, ttft_s: f64) {
+    /// prompt, as estimated at dispatch) took `ttft_s` to the first byte, which arrived at
+    /// `now`. A time-decayed average ([`PREFILL_RATE_DECAY`]); samples under
+    /// [`MIN_SAMPLE_TOKENS`] are skipped (fixed overheads dominate them).
+    pub fn observe_prefill(&self, tokens: u64, ttft_s: f64, now: Instant) {
         if tokens < MIN_SAMPLE_TOKENS || ttft_s.is_nan() || ttft_s <= 0.0 {
             return;
         }
         let sample = tokens as f64 / ttft_s;
-        let old = self.prefill_tokens_per_s();
-        let new = if old > 0.0 { old + 0.2 * (sample - old) } else { sample };
-        // Racing updates may lose a sample; the estimate stays an average of real ones.
-        self.prefill_rate_bits.store(new.to_bits(), Ordering::Relaxed);
+        let mut rate = self.prefill_rate.lock();
+        let rate = match rate.as_mut() {
+            Some(ewma) => {
+                ewma.observe(sample, now);
+                *ewma
+            }
+            None => *rate.insert(Ewma::new(sample, PREFILL_RATE_DECAY, now)),
+        };
+        self.prefill_rate_bits.store(rate.value().to_bits(), Ordering::Relaxed);
     }
 
     /// Routing state now.
     pub fn state(&self, now: Instant, down_after_failures: u32) -> BackendState {
-        if let Some(until) = self.health.lock().expect("health lock").ejected_until {
+        if let Some(until) = self.health.lock().ejected_until {
             if until > now {
                 return BackendState::Ejected;
             }
@@ -197,7 +214,7 @@ impl Backend {
 
     /// Count a successful exchange (resets the failure streak).
     pub fn record_success(&self) {
-        self.health.lock().expect("health lock").consecutive_failures = 0;
+        self.health.lock().consecutive_failures = 0;
     }
 }
 
@@ -293,13 +310,10 @@ impl ClusterView {
     /// Record a failed request to backend `index`; ejects it when the streak reaches the
     /// threshold and the ejection cap allows. Returns true when it was ejected now.
     pub fn record_failure(&self, index: usize, reason: &str, now: Instant, cfg: &HealthConfig) -> bool {
-        let ejected_now = self
-            .backends
-            .iter()
-            .filter(|b| b.health.lock().expect("health lock").ejected_until.is_some_and(|u| u > now))
-            .count();
+        let ejected_now =
+            self.backends.iter().filter(|b| b.health.lock().ejected_until.is_some_and(|u| u > now)).count();
         let cap = ((self.backends.len() * cfg.max_ejection_percent as usize) / 100).max(1);
-        let mut h = self.backends[index].health.lock().expect("health lock");
+        let mut h = self.backends[index].health.lock();
         h.consecutive_failures += 1;
         let already = h.ejected_until.is_some_and(|u| u > now);
         if h.consecutive_failures >= cfg.consecutive_failures && !already && ejected_now < cap {

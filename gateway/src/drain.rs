@@ -3,16 +3,18 @@
 //! pingora's own SIGTERM handling closes the listeners at once and then always sleeps the
 //! whole grace period. At the edge we want the Kubernetes order instead:
 //!
-//! 1. SIGTERM: `/-/ready` fails at once (the gateway is marked draining);
+//! 1. SIGTERM: `/-/ready` fails at once ([`Lifecycle::is_draining`]);
 //! 2. listeners keep accepting for `close_listeners_after_ms` while endpoints and load
 //!    balancers catch up, so no client is refused — then pingora is told to shut down,
 //!    which closes the listeners and idle keep-alive connections;
 //! 3. requests in flight finish; the process exits 0 as soon as none is left, or when
-//!    `grace_period_secs` (from the signal) is up.
+//!    `grace_period_secs` (from the signal) is up ([`switchyard_shim::process::wait_until_idle`]).
 //!
-//! SIGINT is pingora's fast shutdown.
+//! SIGINT is pingora's fast shutdown. This module knows nothing of the gateway's state: it
+//! gets the [`Lifecycle`] it marks and watches, the drain settings in force when the
+//! signal comes, and what to do last before exiting.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,9 +22,29 @@ use async_trait::async_trait;
 use pingora::server::{ShutdownSignal, ShutdownSignalWatch};
 use tokio::signal::unix::{signal, SignalKind};
 
-use crate::state::GatewayState;
+use crate::config::DrainConfig;
 
-/// Connections being served by the proxy (a request read or in flight).
+/// Whether the gateway is draining, and what it still serves.
+#[derive(Debug, Default)]
+pub struct Lifecycle {
+    draining: AtomicBool,
+    /// Connections being served by the proxy (a request read or in flight).
+    pub in_flight: InFlight,
+}
+
+impl Lifecycle {
+    /// Set on SIGTERM: readiness fails so load balancers stop sending.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Start draining.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A count of connections being served.
 #[derive(Debug, Default)]
 pub struct InFlight(AtomicUsize);
 
@@ -50,50 +72,56 @@ impl Drop for InFlightGuard<'_> {
 
 /// pingora's shutdown signal, with the drain order above.
 pub struct DrainSignal {
-    state: Arc<GatewayState>,
+    lifecycle: Arc<Lifecycle>,
+    settings: Box<dyn Fn() -> DrainConfig + Send + Sync>,
+    before_exit: Arc<dyn Fn() + Send + Sync>,
 }
 
 impl DrainSignal {
-    /// The watcher for `state`.
-    pub fn new(state: Arc<GatewayState>) -> Self {
-        DrainSignal { state }
+    /// A watcher that marks and watches `lifecycle`, reads the drain `settings` in force
+    /// when SIGTERM comes, and runs `before_exit` (flushing logs) last.
+    pub fn new(
+        lifecycle: Arc<Lifecycle>,
+        settings: impl Fn() -> DrainConfig + Send + Sync + 'static,
+        before_exit: impl Fn() + Send + Sync + 'static,
+    ) -> Self {
+        DrainSignal { lifecycle, settings: Box::new(settings), before_exit: Arc::new(before_exit) }
     }
 }
 
 #[async_trait]
 impl ShutdownSignalWatch for DrainSignal {
     async fn recv(&self) -> ShutdownSignal {
-        let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-        let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+            tracing::error!("cannot install the SIGTERM/SIGINT handlers; shutting down");
+            return ShutdownSignal::FastShutdown;
+        };
         tokio::select! {
             _ = int.recv() => return ShutdownSignal::FastShutdown,
             _ = term.recv() => {}
         }
         let signalled = Instant::now();
-        let drain = self.state.active.load().config.drain.clone();
-        self.state.draining.store(true, Ordering::SeqCst);
+        let drain = (self.settings)();
+        self.lifecycle.start_draining();
         tracing::info!(
             close_listeners_after_ms = drain.close_listeners_after_ms,
             grace_period_secs = drain.grace_period_secs,
             "SIGTERM: readiness fails now; listeners close after the delay"
         );
-        let close_after = Duration::from_millis(drain.close_listeners_after_ms);
         tokio::select! {
             _ = int.recv() => return ShutdownSignal::FastShutdown,
-            _ = tokio::time::sleep(close_after) => {}
+            _ = tokio::time::sleep(Duration::from_millis(drain.close_listeners_after_ms)) => {}
         }
         // From here pingora closes the listeners and waits out the rest of the grace
         // period; this thread ends the process as soon as nothing is in flight.
-        let state = self.state.clone();
+        let (lifecycle, before_exit) = (self.lifecycle.clone(), self.before_exit.clone());
         let deadline = signalled + Duration::from_secs(drain.grace_period_secs);
         std::thread::spawn(move || {
             // Let pingora's shutdown broadcast reach the connections first.
             std::thread::sleep(Duration::from_millis(50));
-            while state.in_flight.get() > 0 && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            tracing::info!(in_flight = state.in_flight.get(), "drained; exiting");
-            state.access_log.flush();
+            let left = switchyard_shim::process::wait_until_idle(|| lifecycle.in_flight.get(), deadline);
+            tracing::info!(in_flight = left, "drained; exiting");
+            before_exit();
             std::process::exit(0);
         });
         ShutdownSignal::GracefulTerminate

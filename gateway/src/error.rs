@@ -1,8 +1,14 @@
-//! Errors: configuration problems, and the one table mapping request errors to HTTP.
+//! Errors: configuration problems, the one table mapping request errors to HTTP, and the
+//! closed set of ways an engine exchange can fail.
 //!
 //! [`ProxyError`] is everything the gateway itself can answer to a client. Its status,
 //! OpenAI `type` and stable `kind` label (used in metrics and the access log) live in one
-//! place; bodies use the OpenAI error shape.
+//! place; bodies use the OpenAI error shape ([`switchyard_shim::openai_error`]), the same
+//! object whether it is an HTTP answer or the SSE error event that ends a broken stream.
+//!
+//! [`UpstreamErrorKind`] is every failure of an exchange with an engine: it owns its metric
+//! label, whether another engine may take the request, and whether it counts towards the
+//! backend's ejection.
 
 use std::fmt;
 
@@ -93,6 +99,72 @@ pub enum ProxyError {
     /// Header block over `limits.max_header_bytes` or `limits.max_headers` (431).
     #[error("{0}")]
     HeaderTooLarge(String),
+    /// The engine failed after the response began: sent as the SSE event that ends the
+    /// stream (the status line is long gone).
+    #[error("the engine stream failed: {}", .0.label())]
+    StreamBroken(UpstreamErrorKind),
+}
+
+/// How an exchange with an engine failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamErrorKind {
+    /// The backend's name does not resolve.
+    Unresolved,
+    /// No connection could be opened.
+    Connect,
+    /// A pooled connection turned out dead when used.
+    ReusedConnection,
+    /// The engine closed or reset the connection before answering.
+    UpstreamIo,
+    /// No response header within `timeouts.first_byte_ms`.
+    FirstByteTimeout,
+    /// The engine answered 5xx (passed on to the client).
+    Status5xx,
+    /// The engine answered a status in `retries.retry_on_status`, retried elsewhere.
+    RetriedStatus,
+    /// No body chunk within `timeouts.idle_ms` mid-response.
+    IdleTimeout,
+    /// The connection broke mid-response.
+    StreamBroken,
+    /// A retry was due but the retry budget was spent.
+    RetryBudgetSpent,
+}
+
+impl UpstreamErrorKind {
+    /// Label of `switchyard_upstream_errors_total{kind}` and of the access log's `error`.
+    pub fn label(self) -> &'static str {
+        match self {
+            UpstreamErrorKind::Unresolved => "unresolved",
+            UpstreamErrorKind::Connect => "connect",
+            UpstreamErrorKind::ReusedConnection => "reused_connection",
+            UpstreamErrorKind::UpstreamIo => "upstream_io",
+            UpstreamErrorKind::FirstByteTimeout => "first_byte_timeout",
+            UpstreamErrorKind::Status5xx => "status_5xx",
+            UpstreamErrorKind::RetriedStatus => "retried_status",
+            UpstreamErrorKind::IdleTimeout => "idle_timeout",
+            UpstreamErrorKind::StreamBroken => "stream_broken",
+            UpstreamErrorKind::RetryBudgetSpent => "retry_budget_spent",
+        }
+    }
+
+    /// Whether another engine may take the request: nothing reached the engine's
+    /// application or the client (a first-byte timeout is not retried: the engine may
+    /// still be working on it).
+    pub fn retryable(self) -> bool {
+        matches!(
+            self,
+            UpstreamErrorKind::Unresolved
+                | UpstreamErrorKind::Connect
+                | UpstreamErrorKind::ReusedConnection
+                | UpstreamErrorKind::UpstreamIo
+                | UpstreamErrorKind::RetriedStatus
+        )
+    }
+
+    /// Whether it counts towards the backend's consecutive failures (outlier ejection).
+    pub fn ejects(self) -> bool {
+        !matches!(self, UpstreamErrorKind::RetryBudgetSpent)
+    }
 }
 
 impl ProxyError {
@@ -121,6 +193,7 @@ impl ProxyError {
             ProxyError::Unauthorized(_) => 401,
             ProxyError::RateLimited { .. } => 429,
             ProxyError::HeaderTooLarge(_) => 431,
+            ProxyError::StreamBroken(_) => 502,
         }
     }
 
@@ -140,6 +213,7 @@ impl ProxyError {
             ProxyError::RateLimited { what: "tokens", .. } => "rate_limited_tokens",
             ProxyError::RateLimited { .. } => "rate_limited_requests",
             ProxyError::HeaderTooLarge(_) => "header_too_large",
+            ProxyError::StreamBroken(kind) => kind.label(),
         }
     }
 
@@ -155,18 +229,26 @@ impl ProxyError {
         }
     }
 
+    /// OpenAI error `code`, where a client may branch on it.
+    pub fn code(&self) -> Option<&'static str> {
+        match self {
+            ProxyError::ModelNotFound(_) => Some("model_not_found"),
+            ProxyError::Unauthorized(_) => Some("invalid_api_key"),
+            ProxyError::RateLimited { .. } => Some("rate_limit_exceeded"),
+            ProxyError::StreamBroken(kind) => Some(kind.label()),
+            _ => None,
+        }
+    }
+
     /// OpenAI-shaped JSON body.
     pub fn body(&self) -> String {
-        let code = match self {
-            ProxyError::ModelNotFound(_) => serde_json::Value::from("model_not_found"),
-            ProxyError::Unauthorized(_) => serde_json::Value::from("invalid_api_key"),
-            ProxyError::RateLimited { .. } => serde_json::Value::from("rate_limit_exceeded"),
-            _ => serde_json::Value::Null,
-        };
-        serde_json::json!({
-            "error": { "message": self.to_string(), "type": self.error_type(), "param": null, "code": code }
-        })
-        .to_string()
+        let param = matches!(self, ProxyError::ModelNotFound(_)).then_some("model");
+        switchyard_shim::openai_error::error_body(&self.to_string(), self.error_type(), param, self.code()).to_string()
+    }
+
+    /// The SSE event that ends a stream with this error: `data: {"error": …}` and a blank line.
+    pub fn sse_event(&self) -> String {
+        format!("data: {}\n\n", self.body())
     }
 
     /// Seconds a client should wait before retrying (503, 429).

@@ -1,18 +1,44 @@
 //! The request path the fuzzer drives (`gateway/fuzz`, `scripts/fuzz.sh`) and the
 //! regression test replays (`gateway/tests/fuzz_regressions.rs`): everything the gateway
-//! does with client bytes before an engine sees them, minus the sockets.
+//! does with client bytes before an engine sees them, minus the sockets — the same
+//! functions the proxy calls ([`crate::proxy::plan_request`] among them), not a copy.
+//! Built only with the `fuzzing` feature.
 //!
 //! Input layout: the bytes up to the first `\0` are a request head (as pingora hands it
-//! over), the rest is the body. Invariants checked besides "no panic": routing fields
-//! only come from JSON objects, the block hashes of the canonical prompt cover it, the
-//! prefix index answers for what was inserted, and the routing decision is a candidate.
+//! over), the rest is the body. Invariants checked besides "no panic": a plan only comes
+//! from a JSON object, the block hashes of the canonical prompt cover it, the prefix index
+//! answers for what was inserted, and every policy's pick is a candidate.
+
+use pingora::http::RequestHeader;
 
 use crate::auth::{ApiKeyConfig, Authenticator};
-use crate::config::PrefixIndexConfig;
-use crate::policy::prefix_index::block_hashes;
+use crate::config::GatewayConfig;
 use crate::policy::{Candidate, PolicyConfig, RouteInput};
 use crate::prefix::PrefixTracker;
-use crate::request::{canonical_prompt, check_head, routing_fields, UsageMeter};
+use crate::proxy::plan_request;
+use crate::request::{canonical_prompt, check_head, UsageMeter};
+use crate::state::Active;
+
+/// The config the fuzz target plans under: one backend serving `m`, the default `cost`
+/// policy, a priority header, small prefix blocks.
+const CONFIG: &str = "discovery:\n  static:\n    - url: http://127.0.0.1:9\n      models: [m]\n\
+admission:\n  priority_header: x-priority\nprefix_index:\n  block_bytes: 16\n";
+
+/// The head's lines as a pingora request header (lines that are not `name: value`, or
+/// that pingora refuses, are left out, as its parser would refuse them).
+fn request_header(head: &[u8]) -> Option<RequestHeader> {
+    let mut req = RequestHeader::build("POST", b"/v1/chat/completions", None).ok()?;
+    for line in head.split(|&b| b == b'\n').skip(1) {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let Some(colon) = line.iter().position(|&b| b == b':') else { continue };
+        let (Ok(name), Ok(value)) = (std::str::from_utf8(&line[..colon]), std::str::from_utf8(&line[colon + 1..]))
+        else {
+            continue;
+        };
+        let _ = req.append_header(name.trim().to_string(), value.trim());
+    }
+    Some(req)
+}
 
 /// Run the request path over `data`.
 pub fn request_path(data: &[u8]) {
@@ -35,41 +61,42 @@ pub fn request_path(data: &[u8]) {
         None,
     );
     let authorization = head.split(|&b| b == b'\n').find_map(|l| l.strip_prefix(b"Authorization: "));
-    let _ = auth.authenticate(authorization);
+    let tenant = auth.authenticate(authorization).ok().flatten();
 
-    let parsed = routing_fields(body);
+    let Some(req) = request_header(head) else { return };
+    let active = Active::for_config(GatewayConfig::parse(CONFIG).expect("the fuzz config is valid"));
+    let plan = plan_request(&req, body, &active, tenant.as_deref());
     let is_object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
         && serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| v.is_object());
-    assert!(parsed.is_err() || is_object, "routing fields only come from JSON objects");
+    assert!(plan.is_err() || is_object, "a plan only comes from a JSON object");
+    let Ok(plan) = plan else { return };
 
+    let cfg = &active.config.prefix_index;
     let text = canonical_prompt(body);
-    let cfg = PrefixIndexConfig { block_bytes: 16, max_bytes: 1 << 16, bytes_per_token: 4.0 };
-    let hashes = block_hashes(text.as_bytes(), cfg.block_bytes);
-    assert_eq!(hashes.len(), text.len() / cfg.block_bytes);
-    let tracker = PrefixTracker::new(&cfg);
-    tracker.insert(7, &hashes);
-    let matched = tracker.matched_blocks(&hashes, &[(7, 0), (8, 0)]);
-    assert!(matched[1] == 0 && matched[0] <= hashes.len());
+    assert_eq!(plan.hashes.len(), text.len() / cfg.block_bytes, "the block hashes cover the canonical prompt");
+    let tracker = PrefixTracker::new(cfg);
+    tracker.insert(7, &plan.hashes);
+    let matched = tracker.matched_blocks(&plan.hashes, &[(7, 0), (8, 0)]);
+    assert!(matched[1] == 0 && matched[0] <= plan.hashes.len());
 
     let candidates: Vec<Candidate> = (0..3)
         .map(|i| Candidate {
-            index: i,
+            index: 10 + i,
             key: 7 + i as u64,
             inflight: i as u64,
             signal: None,
             pending_prefill_tokens: 0,
             prefill_tokens_per_s: 0.0,
-            matched_tokens: if i == 0 { cfg.tokens(matched[0] * cfg.block_bytes) } else { 0 },
+            matched_tokens: if i == 0 { cfg.tokens(matched[0] * cfg.block_bytes).min(plan.prompt_tokens) } else { 0 },
         })
         .collect();
-    let prompt_tokens = cfg.tokens(text.len());
-    let input = RouteInput { model: "m", prompt_tokens, session: None };
+    let input = RouteInput { model: &plan.model, prompt_tokens: plan.prompt_tokens, session: plan.session.as_deref() };
     for policy in [PolicyConfig::default(), serde_yaml::from_str("{ type: least_load }").expect("least_load policy")] {
         let d = policy.build().select(&input, &candidates, &mut rand::rng());
-        assert!(d.index < candidates.len());
+        assert!(d.pick < candidates.len(), "the pick is a candidate");
     }
 
     let mut meter = UsageMeter::default();
     meter.observe(body);
-    let _ = meter.used(prompt_tokens);
+    let _ = meter.used(plan.prompt_tokens);
 }

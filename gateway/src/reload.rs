@@ -129,7 +129,7 @@ impl BackgroundService for Reloader {
                         resolve_due = std::time::Instant::now();
                         // The system resolver blocks (and may wait for timeouts): off the runtime.
                         let state = self.state.clone();
-                        let _ = tokio::task::spawn_blocking(move || state.re_resolve(&crate::state::system_resolve)).await;
+                        let _ = tokio::task::spawn_blocking(move || state.re_resolve(&crate::discovery::system_resolve)).await;
                     }
                 }
             }

@@ -11,7 +11,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -102,7 +102,7 @@ impl Scraper {
         let result = match b.addr {
             None => Err(format!("{} does not resolve", b.authority)),
             Some(addr) => match tokio::time::timeout(timeout, async {
-                let unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+                let unix_ms = switchyard_shim::process::unix_ms();
                 let signal = match source {
                     SignalSource::Metrics => {
                         let text = self.get(b, addr, "/metrics").await?;

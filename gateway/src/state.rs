@@ -5,18 +5,21 @@
 //! and the backend set — is swapped atomically (`ArcSwap`); requests in flight keep the
 //! snapshot they started with.
 
-use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::AtomicBool;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
+use parking_lot::Mutex;
 use pingora::connectors::http::v1::Connector;
 
 use crate::access_log::AccessLog;
 use crate::admission::AdmissionQueue;
 use crate::auth::Authenticator;
 use crate::cluster::{BackendSpec, ClusterView};
-use crate::config::{parse_backend_url, GatewayConfig};
+use crate::config::GatewayConfig;
+use crate::discovery::static_list::literal_resolve;
+use crate::discovery::{backend_specs, backend_specs_with, system_resolve};
+use crate::drain::Lifecycle;
 use crate::metrics::GatewayMetrics;
 use crate::policy::Policy;
 use crate::prefix::PrefixTracker;
@@ -33,6 +36,23 @@ pub struct Active {
     pub cluster: Arc<ClusterView>,
     /// API keys and their limiter state.
     pub auth: Arc<Authenticator>,
+}
+
+impl Active {
+    /// `config` in force with its own policy over `cluster`.
+    pub fn new(config: GatewayConfig, cluster: Arc<ClusterView>, auth: Arc<Authenticator>) -> Self {
+        let policy = config.policy.build();
+        Active { config, policy, cluster, auth }
+    }
+
+    /// A snapshot of `config` alone, without DNS: backends given by IP address resolve,
+    /// named ones stay down. For the fuzz target and tests.
+    pub fn for_config(config: GatewayConfig) -> Self {
+        let specs = backend_specs_with(&config, &[], &literal_resolve);
+        let cluster = Arc::new(ClusterView::rebuild(&ClusterView::default(), &specs));
+        let auth = build_auth(&config, None);
+        Active::new(config, cluster, auth)
+    }
 }
 
 /// The key table of `config`, keeping `previous`'s limiter state for unchanged keys. Fails
@@ -62,8 +82,8 @@ pub struct GatewayState {
     pub pool: crate::pool::UpstreamPool,
     /// Metrics.
     pub metrics: GatewayMetrics,
-    /// Set on shutdown: readiness fails so load balancers stop sending.
-    pub draining: AtomicBool,
+    /// Draining or not, and the connections being served (drain waits for zero).
+    pub lifecycle: Arc<Lifecycle>,
     /// Access log (JSON lines on stdout, buffered).
     pub access_log: AccessLog,
     /// What the gateway sent where: the prefix index of `prefix_affinity` and `cost`.
@@ -73,53 +93,13 @@ pub struct GatewayState {
     /// Requests waiting for an engine.
     pub queue: Arc<AdmissionQueue>,
     /// Retries spent against requests made.
-    pub retry_budget: std::sync::Mutex<RetryBudget>,
-    /// Proxy connections with a request being read or served (drain waits for zero).
-    pub in_flight: crate::drain::InFlight,
-}
-
-/// Resolve a `host:port` with the system resolver (blocking).
-pub fn system_resolve(authority: &str) -> Option<SocketAddr> {
-    authority.to_socket_addrs().ok().and_then(|mut a| a.next())
-}
-
-/// The static backends of `cfg` then the `discovered` ones (URLs from Kubernetes), names
-/// resolved by `resolve` (DNS happens when a config is applied and every
-/// `discovery.resolve_interval_ms`, never per request).
-pub fn backend_specs_with(
-    cfg: &GatewayConfig,
-    discovered: &[String],
-    resolve: &dyn Fn(&str) -> Option<SocketAddr>,
-) -> Vec<BackendSpec> {
-    let listed = cfg.discovery.static_backends.iter().map(|b| (b.url.clone(), b.models.clone()));
-    let found = discovered
-        .iter()
-        .filter(|u| !cfg.discovery.static_backends.iter().any(|b| &b.url == *u))
-        .map(|u| (u.clone(), None));
-    listed
-        .chain(found)
-        .filter_map(|(url, models)| {
-            let authority = parse_backend_url(&url).ok()?.authority;
-            let addr = resolve(&authority);
-            Some(BackendSpec { url, authority, addr, models })
-        })
-        .collect()
-}
-
-/// [`backend_specs_with`] the system resolver, warning about names that do not resolve.
-pub fn backend_specs(cfg: &GatewayConfig, discovered: &[String]) -> Vec<BackendSpec> {
-    let specs = backend_specs_with(cfg, discovered, &system_resolve);
-    for s in specs.iter().filter(|s| s.addr.is_none()) {
-        tracing::warn!(url = %s.url, "backend address does not resolve; it stays down until it does");
-    }
-    specs
+    pub retry_budget: Mutex<RetryBudget>,
 }
 
 impl GatewayState {
     /// State for a validated config.
     pub fn new(config: GatewayConfig, metrics: GatewayMetrics) -> Arc<Self> {
         let cluster = Arc::new(ClusterView::rebuild(&ClusterView::default(), &backend_specs(&config, &[])));
-        let policy = config.policy.build();
         let prefix = PrefixTracker::new(&config.prefix_index);
         let auth = build_auth(&config, None);
         // The connector only opens connections; its own keep-alive pool stays empty (idle
@@ -130,16 +110,15 @@ impl GatewayState {
         let retry_budget = RetryBudget::new(r.budget_percent, r.min_retries_per_second, std::time::Instant::now());
         Arc::new(GatewayState {
             prefix,
-            active: ArcSwap::from_pointee(Active { config, policy, cluster, auth }),
+            active: ArcSwap::from_pointee(Active::new(config, cluster, auth)),
             connector: Connector::new(Some(connector_options)),
             pool: crate::pool::UpstreamPool::new(UPSTREAM_MAX_IDLE, UPSTREAM_IDLE),
             metrics,
-            draining: AtomicBool::new(false),
+            lifecycle: Arc::default(),
             access_log: AccessLog::stdout(),
             discovered: ArcSwap::from_pointee(Vec::new()),
             queue: AdmissionQueue::new(),
-            in_flight: crate::drain::InFlight::default(),
-            retry_budget: std::sync::Mutex::new(retry_budget),
+            retry_budget: Mutex::new(retry_budget),
         })
     }
 
@@ -150,18 +129,6 @@ impl GatewayState {
     pub fn set_discovered(&self, urls: Vec<String>) {
         self.discovered.store(Arc::new(urls));
         self.re_resolve(&system_resolve);
-    }
-
-    /// What a discovery service calls with the URLs it found (`source` names it in the
-    /// log): nothing when they did not change, else [`Self::set_discovered`] off the async
-    /// runtime (the system resolver blocks).
-    pub async fn publish_discovered(self: &Arc<Self>, urls: Vec<String>, source: &'static str) {
-        if **self.discovered.load() == urls {
-            return;
-        }
-        tracing::info!(source, backends = ?urls, "discovery: backends changed");
-        let state = self.clone();
-        let _ = tokio::task::spawn_blocking(move || state.set_discovered(urls)).await;
     }
 
     /// The cluster view for `specs`, carrying over the state of the backends of `old` that
@@ -192,9 +159,8 @@ impl GatewayState {
             }
         }
         let cluster = self.rebuild_cluster(&old.cluster, &specs);
-        let policy = old.config.policy.build();
         // Only if no reload swapped the config meanwhile (that one resolved for itself).
-        let next = Arc::new(Active { config: old.config.clone(), policy, cluster, auth: old.auth.clone() });
+        let next = Arc::new(Active::new(old.config.clone(), cluster, old.auth.clone()));
         let prev = self.active.compare_and_swap(&old, next);
         Arc::ptr_eq(&prev, &old)
     }
@@ -208,11 +174,10 @@ impl GatewayState {
         }
         self.prefix.reconfigure(&config.prefix_index);
         let cluster = self.rebuild_cluster(&old.cluster, &backend_specs(&config, &self.discovered.load()));
-        let policy = config.policy.build();
         let auth = build_auth(&config, Some(&old.auth));
         let r = &config.retries;
-        self.retry_budget.lock().expect("retry budget lock").set_limits(r.budget_percent, r.min_retries_per_second);
-        self.active.store(Arc::new(Active { config, policy, cluster, auth }));
+        self.retry_budget.lock().set_limits(r.budget_percent, r.min_retries_per_second);
+        self.active.store(Arc::new(Active::new(config, cluster, auth)));
     }
 }
 

@@ -68,20 +68,20 @@ impl Policy for PrefixAffinity {
         let cfg = &self.0;
         let fresh = c.iter().all(|x| x.signal.is_some());
         let load = |x: &Candidate| load_score(&cfg.weights, x, fresh);
-        let least = c[argmin_random_tie(c, rng, load)];
-        let by_load =
-            |reason| Decision { index: least.index, reason: if fresh { reason } else { "stale_signal_fallback" } };
+        let least = argmin_random_tie(c, rng, load);
+        let by_load = |reason| Decision { pick: least, reason: if fresh { reason } else { "stale_signal_fallback" } };
         // Most matched tokens first, then lower load.
-        let best = c[argmin_random_tie(c, rng, |x| (std::cmp::Reverse(x.matched_tokens), load(x)))];
+        let pick = argmin_random_tie(c, rng, |x| (std::cmp::Reverse(x.matched_tokens), load(x)));
+        let best = c[pick];
         let ratio =
             if input.prompt_tokens == 0 { 0.0 } else { best.matched_tokens as f64 / input.prompt_tokens as f64 };
         if best.matched_tokens == 0 || ratio < cfg.min_match_ratio {
             return by_load("low_match");
         }
-        let (lb, ll) = (load(&best), load(&least));
+        let (lb, ll) = (load(&best), load(&c[least]));
         if lb - ll > cfg.balance_abs_threshold && lb > ll * cfg.balance_rel_threshold {
             return by_load("guard_diverted");
         }
-        Decision { index: best.index, reason: "prefix_match" }
+        Decision { pick, reason: "prefix_match" }
     }
 }

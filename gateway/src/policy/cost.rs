@@ -131,13 +131,14 @@ impl Policy for Cost {
         let best = ttft.iter().copied().fold(f64::INFINITY, f64::min);
         // Among the near-best predictions, the least loaded.
         let slack = cfg.tie_epsilon_ms.max(best * cfg.tie_ratio);
-        let near: Vec<Candidate> = c.iter().zip(&ttft).filter(|(_, t)| **t <= best + slack).map(|(x, _)| *x).collect();
-        let pick = near[argmin_random_tie(&near, rng, |x| load_score(&cfg.weights, x, fresh))];
-        let reason = match (fresh, pick.matched_tokens > 0) {
+        let near: Vec<usize> = (0..c.len()).filter(|&i| ttft[i] <= best + slack).collect();
+        let near_candidates: Vec<Candidate> = near.iter().map(|&i| c[i]).collect();
+        let pick = near[argmin_random_tie(&near_candidates, rng, |x| load_score(&cfg.weights, x, fresh))];
+        let reason = match (fresh, c[pick].matched_tokens > 0) {
             (false, _) => "stale_signal_fallback",
             (true, true) => "prefix_hit",
             (true, false) => "shortest_queue",
         };
-        Decision { index: pick.index, reason }
+        Decision { pick, reason }
     }
 }

@@ -75,6 +75,6 @@ impl Policy for LeastLoad {
     fn select(&self, _: &RouteInput<'_>, c: &[Candidate], rng: &mut dyn rand::RngCore) -> Decision {
         let fresh = c.iter().all(|x| x.signal.is_some());
         let i = argmin_random_tie(c, rng, |x| load_score(&self.weights, x, fresh));
-        Decision { index: c[i].index, reason: if fresh { "least_load" } else { "stale_signal_fallback" } }
+        Decision { pick: i, reason: if fresh { "least_load" } else { "stale_signal_fallback" } }
     }
 }

@@ -85,8 +85,9 @@ pub struct RouteInput<'a> {
 /// A policy's choice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Decision {
-    /// `Candidate::index` of the pick.
-    pub index: usize,
+    /// Position of the pick in the candidate slice the policy was given (so a pick is
+    /// always a candidate; `candidates[pick].index` is its place in the cluster).
+    pub pick: usize,
     /// Why (a metric label and access-log field).
     pub reason: &'static str,
 }
@@ -95,7 +96,7 @@ pub struct Decision {
 pub trait Policy: Send + Sync {
     /// The policy's `type` name.
     fn name(&self) -> &'static str;
-    /// Choose among non-empty `candidates`.
+    /// Choose among non-empty `candidates`; the decision names a position in the slice.
     fn select(&self, input: &RouteInput<'_>, candidates: &[Candidate], rng: &mut dyn rand::RngCore) -> Decision;
     /// Whether the policy reads prompts and matched prefixes (the request path skips the
     /// canonical text and the index otherwise).
@@ -210,7 +211,7 @@ impl Policy for RandomPolicy {
         "random"
     }
     fn select(&self, _: &RouteInput<'_>, c: &[Candidate], rng: &mut dyn rand::RngCore) -> Decision {
-        Decision { index: c[rng.random_range(0..c.len())].index, reason: "random" }
+        Decision { pick: rng.random_range(0..c.len()), reason: "random" }
     }
 }
 
@@ -222,7 +223,7 @@ impl Policy for LeastRequest {
     }
     fn select(&self, _: &RouteInput<'_>, c: &[Candidate], rng: &mut dyn rand::RngCore) -> Decision {
         let i = argmin_random_tie(c, rng, |x| x.inflight);
-        Decision { index: c[i].index, reason: "least_inflight" }
+        Decision { pick: i, reason: "least_inflight" }
     }
 }
 
@@ -236,7 +237,7 @@ impl Policy for PowerOfTwo {
     }
     fn select(&self, _: &RouteInput<'_>, c: &[Candidate], rng: &mut dyn rand::RngCore) -> Decision {
         if c.len() == 1 {
-            return Decision { index: c[0].index, reason: "single_candidate" };
+            return Decision { pick: 0, reason: "single_candidate" };
         }
         // Two distinct positions: draw a in 0..n, b in 0..n-1 and skip over a.
         let a = rng.random_range(0..c.len());
@@ -247,7 +248,7 @@ impl Policy for PowerOfTwo {
         let fresh = c.iter().all(|x| x.signal.is_some());
         let (sa, sb) = (load_score(&self.weights, &c[a], fresh), load_score(&self.weights, &c[b], fresh));
         let pick = if sb < sa { b } else { a };
-        Decision { index: c[pick].index, reason: if fresh { "p2c_load" } else { "stale_signal_fallback" } }
+        Decision { pick, reason: if fresh { "p2c_load" } else { "stale_signal_fallback" } }
     }
 }
 

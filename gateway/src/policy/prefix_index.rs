@@ -65,13 +65,9 @@ impl PrefixIndex {
     }
 
     /// Entries held.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.entries.len()
-    }
-
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
     }
 
     /// Record that `backend` now holds the prefixes `hashes` (a request was sent there).

@@ -15,6 +15,6 @@ impl Policy for RoundRobin {
     }
     fn select(&self, _: &RouteInput<'_>, c: &[Candidate], _: &mut dyn rand::RngCore) -> Decision {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        Decision { index: c[n % c.len()].index, reason: "round_robin" }
+        Decision { pick: n % c.len(), reason: "round_robin" }
     }
 }

@@ -57,22 +57,22 @@ impl Policy for Session {
     fn select(&self, input: &RouteInput<'_>, c: &[Candidate], rng: &mut dyn rand::RngCore) -> Decision {
         let Some(session) = input.session else {
             let d = LeastLoad { weights: self.0.weights }.select(input, c, rng);
-            return Decision { index: d.index, reason: "no_session" };
+            return Decision { pick: d.pick, reason: "no_session" };
         };
         let total: u64 = c.iter().map(|x| x.inflight).sum();
         let cap = (self.0.load_factor * (total + 1) as f64 / c.len() as f64).ceil() as u64;
-        let mut order: Vec<(u64, &Candidate)> =
-            c.iter().map(|x| (xxhash_rust::xxh3::xxh3_64_with_seed(session.as_bytes(), x.key), x)).collect();
+        let mut order: Vec<(u64, usize)> = c
+            .iter()
+            .enumerate()
+            .map(|(i, x)| (xxhash_rust::xxh3::xxh3_64_with_seed(session.as_bytes(), x.key), i))
+            .collect();
         order.sort_by_key(|o| std::cmp::Reverse(o.0));
-        for (rank, (_, x)) in order.iter().enumerate() {
-            if x.inflight < cap {
-                return Decision {
-                    index: x.index,
-                    reason: if rank == 0 { "session_sticky" } else { "session_overflow" },
-                };
+        for (rank, &(_, i)) in order.iter().enumerate() {
+            if c[i].inflight < cap {
+                return Decision { pick: i, reason: if rank == 0 { "session_sticky" } else { "session_overflow" } };
             }
         }
         // Unreachable in practice (the cap exceeds the mean); keep the sticky pick.
-        Decision { index: order[0].1.index, reason: "session_sticky" }
+        Decision { pick: order[0].1, reason: "session_sticky" }
     }
 }

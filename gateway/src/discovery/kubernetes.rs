@@ -4,7 +4,7 @@
 //! label selector) with `kube`'s watcher, which lists, then watches from the list's
 //! `resourceVersion` with bookmarks, and lists again when the server answers 410 Gone.
 //! After every change the set of backend URLs is recomputed by [`ready_urls`] (pure) and
-//! handed to [`GatewayState::set_discovered`]:
+//! published through a [`Publisher`]:
 //!
 //! - an endpoint takes new requests only while `conditions.ready` is true (unset counts as
 //!   true, as the API defines it) and it is not `terminating`;
@@ -12,7 +12,6 @@
 //!   requests already streaming from it finish on their own connections.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -22,8 +21,8 @@ use kube::runtime::watcher::{self, Event};
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 
+use super::Publisher;
 use crate::config::KubernetesDiscovery;
-use crate::state::GatewayState;
 
 /// Backend URLs of the endpoints that may take new requests, sorted and without repeats.
 /// `port_name` picks the slice port (empty: the slice's only port); slices without it are
@@ -58,14 +57,14 @@ pub fn ready_urls<'a>(slices: impl IntoIterator<Item = &'a EndpointSlice>, port_
 
 /// The EndpointSlice watcher service.
 pub struct K8sDiscovery {
-    state: Arc<GatewayState>,
+    publisher: Publisher,
     cfg: KubernetesDiscovery,
 }
 
 impl K8sDiscovery {
-    /// Watch what `cfg` names for `state`.
-    pub fn new(state: Arc<GatewayState>, cfg: KubernetesDiscovery) -> Self {
-        K8sDiscovery { state, cfg }
+    /// Watch what `cfg` names, publishing through `publisher`.
+    pub fn new(publisher: Publisher, cfg: KubernetesDiscovery) -> Self {
+        K8sDiscovery { publisher, cfg }
     }
 
     async fn client(&self) -> Result<kube::Client, String> {
@@ -78,7 +77,7 @@ impl K8sDiscovery {
 
     async fn publish(&self, slices: &BTreeMap<String, EndpointSlice>) {
         let urls = ready_urls(slices.values(), &self.cfg.port_name);
-        self.state.publish_discovered(urls, "kubernetes").await;
+        self.publisher.publish(urls, "kubernetes").await;
     }
 }
 

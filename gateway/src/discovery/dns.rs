@@ -1,18 +1,17 @@
 //! DNS discovery for headless Services: every `discovery.dns.interval_ms` the name is
-//! resolved and each address becomes a backend (`http://ADDR:port`), handed to
-//! [`GatewayState::set_discovered`]. A failed lookup keeps the last known set (a resolver
+//! resolved and each address becomes a backend (`http://ADDR:port`), published through a
+//! [`Publisher`]. A failed lookup keeps the last known set (a resolver
 //! hiccup must not empty the cluster); an empty answer empties it.
 
 use std::net::IpAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 
+use super::Publisher;
 use crate::config::DnsDiscovery;
-use crate::state::GatewayState;
 
 /// Backend URLs for `addrs` on `port`: sorted, without repeats, IPv6 in brackets.
 pub fn dns_urls(addrs: impl IntoIterator<Item = IpAddr>, port: u16) -> Vec<String> {
@@ -30,14 +29,14 @@ pub fn dns_urls(addrs: impl IntoIterator<Item = IpAddr>, port: u16) -> Vec<Strin
 
 /// The resolver service.
 pub struct DnsService {
-    state: Arc<GatewayState>,
+    publisher: Publisher,
     cfg: DnsDiscovery,
 }
 
 impl DnsService {
-    /// Resolve what `cfg` names for `state`.
-    pub fn new(state: Arc<GatewayState>, cfg: DnsDiscovery) -> Self {
-        DnsService { state, cfg }
+    /// Resolve what `cfg` names, publishing through `publisher`.
+    pub fn new(publisher: Publisher, cfg: DnsDiscovery) -> Self {
+        DnsService { publisher, cfg }
     }
 }
 
@@ -46,7 +45,7 @@ impl BackgroundService for DnsService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         loop {
             match tokio::net::lookup_host((self.cfg.name.as_str(), self.cfg.port)).await {
-                Ok(addrs) => self.state.publish_discovered(dns_urls(addrs.map(|a| a.ip()), self.cfg.port), "dns").await,
+                Ok(addrs) => self.publisher.publish(dns_urls(addrs.map(|a| a.ip()), self.cfg.port), "dns").await,
                 Err(e) => {
                     tracing::warn!(name = %self.cfg.name, error = %e, "dns discovery: lookup failed; keeping the last set")
                 }

@@ -1,0 +1,305 @@
+//! The `attempt` loop: pick a backend, exchange the request with it, and decide whether a
+//! failure is retried on another one.
+//!
+//! A connection failure, or the engine closing or resetting the connection before any
+//! response byte (a dead pooled connection, a crashed engine), or an answer in
+//! `retries.retry_on_status`, is retried on another backend within `retries.max_attempts`
+//! and the retry budget — never after anything reached the client, never after a
+//! first-byte timeout (the engine may still be working on it). Every failure goes through
+//! [`ProxyApp::upstream_failed`]: one place counts it and feeds outlier ejection.
+
+use std::fmt::Display;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use pingora::protocols::http::v1::client::HttpSession;
+use pingora::protocols::http::ServerSession;
+use pingora::upstreams::peer::HttpPeer;
+
+use crate::admission::Ticket;
+use crate::cluster::Backend;
+use crate::config::GatewayConfig;
+use crate::error::{ProxyError, UpstreamErrorKind};
+use crate::policy::RouteInput;
+use crate::state::Active;
+
+use super::ctx::RequestCtx;
+use super::plan::RoutePlan;
+use super::{routable, ProxyApp};
+
+/// Outcome of one exchange that did not produce a response header.
+pub(super) enum AttemptError {
+    /// The engine exchange failed; the kind says whether another backend may be tried.
+    Upstream(UpstreamErrorKind, ProxyError),
+    /// The request cannot be sent as it is (answered, not counted against the engine).
+    Refused(ProxyError),
+    /// The client went away.
+    ClientGone,
+}
+
+/// The backend a policy picked for one attempt, with the work it takes on.
+struct Pick {
+    /// Position in the cluster view.
+    index: usize,
+    /// This request's prompt tokens the backend probably does not have cached.
+    uncached: u64,
+    /// Prefill work ahead of and including this request (for learning the prefill rate).
+    work: u64,
+}
+
+/// Keeps a backend's in-flight count, and its pending prefill tokens until the first
+/// byte, while a request is on it.
+pub(super) struct InflightGuard<'a> {
+    backend: &'a Backend,
+    /// This request's uncached prompt tokens, still counted as pending prefill.
+    pending: u64,
+    /// Prefill work ahead of and including this request at dispatch (for rate learning).
+    work: u64,
+    /// Learn the prefill rate from this request's first byte (streams only: a
+    /// non-streamed response's first byte comes after the whole generation).
+    learn: bool,
+    dispatched: Instant,
+}
+
+impl<'a> InflightGuard<'a> {
+    fn new(backend: &'a Backend, pending: u64, work: u64, learn: bool) -> Self {
+        backend.inflight.fetch_add(1, Ordering::Relaxed);
+        backend.routed.fetch_add(1, Ordering::Relaxed);
+        backend.pending_prefill_tokens.fetch_add(pending, Ordering::Relaxed);
+        InflightGuard { backend, pending, work, learn, dispatched: Instant::now() }
+    }
+
+    /// The first response chunk arrived: the prefill is done.
+    pub(super) fn first_byte(&mut self) {
+        if self.learn {
+            let now = Instant::now();
+            self.backend.observe_prefill(self.work, now.duration_since(self.dispatched).as_secs_f64(), now);
+        }
+        self.backend.pending_prefill_tokens.fetch_sub(std::mem::take(&mut self.pending), Ordering::Relaxed);
+    }
+}
+
+impl Drop for InflightGuard<'_> {
+    fn drop(&mut self) {
+        self.backend.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.backend.pending_prefill_tokens.fetch_sub(self.pending, Ordering::Relaxed);
+    }
+}
+
+impl ProxyApp {
+    /// Attempts until one answers (then stream it) or none is left; true when the client
+    /// connection may be reused. `ticket` (the admission queue's) is let go once the
+    /// request is counted in flight.
+    pub(super) async fn attempt_loop(
+        &self,
+        s: &mut ServerSession,
+        ctx: &mut RequestCtx,
+        plan: &RoutePlan,
+        body: &Bytes,
+        mut ticket: Option<Ticket>,
+    ) -> bool {
+        let active = self.state.active.load_full();
+        self.state.retry_budget.lock().record_request(Instant::now());
+        loop {
+            let pick = match self.pick(&active, plan, ctx) {
+                Ok(p) => p,
+                Err(e) => return self.fail(s, e, ctx).await,
+            };
+            let backend = active.cluster.backends[pick.index].clone();
+            let mut inflight = InflightGuard::new(&backend, pick.uncached, pick.work, plan.stream);
+            drop(ticket.take());
+            match self.exchange(s, &backend, &ctx.path, body, &active.config).await {
+                Ok(up) if self.retry_status(&active, plan, ctx, pick.index, &up) => {}
+                Ok(up) => return self.stream(s, up, &active, pick.index, ctx, &mut inflight).await,
+                Err(AttemptError::Refused(error)) => return self.fail(s, error, ctx).await,
+                Err(AttemptError::ClientGone) => {
+                    ctx.status = 499;
+                    ctx.client_gone();
+                    return false;
+                }
+                Err(AttemptError::Upstream(kind, error)) => {
+                    self.upstream_failed(&active, Some(pick.index), kind, &error);
+                    if !kind.retryable() {
+                        return self.fail(s, error, ctx).await;
+                    }
+                    ctx.tried.push(pick.index);
+                    if !self.may_retry(&active, &plan.model, &ctx.tried) {
+                        return self.fail(s, error, ctx).await;
+                    }
+                    ctx.last_error = Some(error);
+                    self.state.metrics.retries.inc();
+                    ctx.retries += 1;
+                }
+            }
+        }
+    }
+
+    /// Let the policy choose among the routable backends not tried yet, with each one's
+    /// matched prefix filled in from the prefix index; the index learns the choice.
+    fn pick(&self, active: &Arc<Active>, plan: &RoutePlan, ctx: &mut RequestCtx) -> Result<Pick, ProxyError> {
+        let (mut candidates, known) = routable(active, &plan.model, &ctx.tried);
+        if !known {
+            return Err(ProxyError::ModelNotFound(plan.model.clone()));
+        }
+        if candidates.is_empty() {
+            return Err(ctx.last_error.take().unwrap_or_else(|| ProxyError::NoBackend(plan.model.clone())));
+        }
+        let pcfg = &active.config.prefix_index;
+        if !plan.hashes.is_empty() {
+            let keys: Vec<(u64, u32)> = candidates
+                .iter()
+                .map(|c| {
+                    let b = &active.cluster.backends[c.index];
+                    (b.key, b.restarts.load(Ordering::Relaxed))
+                })
+                .collect();
+            let blocks = self.state.prefix.matched_blocks(&plan.hashes, &keys);
+            for (c, n) in candidates.iter_mut().zip(blocks) {
+                c.matched_tokens = pcfg.tokens(n * pcfg.block_bytes).min(plan.prompt_tokens);
+            }
+        }
+        let policy = &active.policy;
+        let input =
+            RouteInput { model: &plan.model, prompt_tokens: plan.prompt_tokens, session: plan.session.as_deref() };
+        let decision = policy.select(&input, &candidates, &mut rand::rng());
+        self.state.metrics.decisions.with_label_values(&[policy.name(), decision.reason]).inc();
+        let chosen = candidates[decision.pick];
+        let backend = &active.cluster.backends[chosen.index];
+        ctx.backend = Some(backend.url.clone());
+        ctx.reason = Some(decision.reason);
+        if !plan.hashes.is_empty() {
+            let m = &self.state.metrics;
+            m.prefix_match_ratio.observe(chosen.matched_tokens as f64 / plan.prompt_tokens.max(1) as f64);
+            m.prefix_index_bytes.set(self.state.prefix.insert(backend.key, &plan.hashes) as i64);
+        }
+        let uncached = plan.prompt_tokens - chosen.matched_tokens;
+        Ok(Pick { index: chosen.index, uncached, work: chosen.pending_prefill_tokens + uncached })
+    }
+
+    /// Whether the engine's answer `up` is a status to retry elsewhere, and a retry was
+    /// granted (then the answer and its connection are dropped: nothing reached the client).
+    fn retry_status(
+        &self,
+        active: &Active,
+        plan: &RoutePlan,
+        ctx: &mut RequestCtx,
+        index: usize,
+        up: &HttpSession,
+    ) -> bool {
+        let status = up.resp_header().map_or(0, |h| h.status.as_u16());
+        if !active.config.retries.retry_on_status.contains(&status) {
+            return false;
+        }
+        ctx.tried.push(index);
+        if !self.may_retry(active, &plan.model, &ctx.tried) {
+            return false;
+        }
+        let error = ProxyError::Upstream(format!("engine answered {status}"));
+        self.upstream_failed(active, Some(index), UpstreamErrorKind::RetriedStatus, &error);
+        ctx.last_error = Some(error);
+        self.state.metrics.retries.inc();
+        ctx.retries += 1;
+        true
+    }
+
+    /// Whether a request that failed on `tried` may have another attempt: attempts left,
+    /// another backend to try, and the retry budget not spent (taken from it when true).
+    fn may_retry(&self, active: &Active, model: &str, tried: &[usize]) -> bool {
+        if tried.len() as u32 >= active.config.retries.max_attempts || routable(active, model, tried).0.is_empty() {
+            return false;
+        }
+        let granted = self.state.retry_budget.lock().try_retry(Instant::now());
+        if !granted {
+            self.upstream_failed(active, None, UpstreamErrorKind::RetryBudgetSpent, &"no retry left in the budget");
+        }
+        granted
+    }
+
+    /// The one place an upstream failure is counted: `switchyard_upstream_errors_total`,
+    /// the backend's failure streak (outlier ejection) when the kind counts, and a log line.
+    pub(super) fn upstream_failed(
+        &self,
+        active: &Active,
+        index: Option<usize>,
+        kind: UpstreamErrorKind,
+        detail: &dyn Display,
+    ) {
+        self.state.metrics.upstream_errors.with_label_values(&[kind.label()]).inc();
+        let Some(index) = index else { return };
+        if kind.ejects() {
+            active.cluster.record_failure(index, kind.label(), Instant::now(), &active.config.health);
+        }
+        if !matches!(kind, UpstreamErrorKind::Status5xx | UpstreamErrorKind::RetriedStatus) {
+            let backend = &active.cluster.backends[index].url;
+            tracing::warn!(%backend, kind = kind.label(), error = %detail, "upstream attempt failed");
+        }
+    }
+
+    /// Connect, send the request and wait for the response header (or the client leaving).
+    async fn exchange(
+        &self,
+        s: &mut ServerSession,
+        backend: &Backend,
+        path: &str,
+        body: &Bytes,
+        cfg: &GatewayConfig,
+    ) -> Result<HttpSession, AttemptError> {
+        let Some(peer) = &backend.peer else {
+            let error = ProxyError::Upstream(format!("{} does not resolve", backend.authority));
+            return Err(AttemptError::Upstream(UpstreamErrorKind::Unresolved, error));
+        };
+        // A pooled connection first. Connecting (TCP, maybe TLS) is a future of ~9 KB that
+        // would otherwise be inlined into every request's state machine and copied when
+        // pingora boxes it, so it gets its own box, on the rare path only.
+        let pooled = self.state.pool.take(backend.pool_key, Instant::now());
+        let (mut up, reused) = match pooled {
+            Some(stream) => (HttpSession::new_with_options(stream, peer), true),
+            None => match Box::pin(connect(&self.state.connector, peer, cfg)).await {
+                Ok(x) => x,
+                Err(e) => {
+                    return Err(AttemptError::Upstream(UpstreamErrorKind::Connect, ProxyError::Upstream(e.to_string())))
+                }
+            },
+        };
+        // The connector does not carry the peer's read/write timeouts over to the session.
+        up.read_timeout = Some(cfg.timeouts.first_byte());
+        up.write_timeout = Some(cfg.timeouts.idle());
+        let req = super::upstream_request(s.req_header(), path, &backend.authority, body.len())
+            .map_err(|e| AttemptError::Refused(ProxyError::BadRequest(format!("cannot forward this request: {e}"))))?;
+        let sent = async {
+            up.write_request_header(Box::new(req)).await?;
+            up.write_body(body).await?;
+            up.read_response().await.map(drop)
+        };
+        let result = tokio::select! {
+            r = sent => r,
+            _ = s.read_body_or_idle(true) => return Err(AttemptError::ClientGone),
+        };
+        let kind = match result {
+            Ok(()) => return Ok(up),
+            Err(e) if e.etype() == &pingora::ErrorType::ReadTimedout => {
+                let error = ProxyError::UpstreamTimeout(cfg.timeouts.first_byte_ms);
+                return Err(AttemptError::Upstream(UpstreamErrorKind::FirstByteTimeout, error));
+            }
+            Err(e) if reused => (UpstreamErrorKind::ReusedConnection, e),
+            // The engine closed or reset the connection before answering (it died, or is
+            // restarting): nothing reached the client, so another engine may take it.
+            Err(e) => (UpstreamErrorKind::UpstreamIo, e),
+        };
+        Err(AttemptError::Upstream(kind.0, ProxyError::Upstream(kind.1.to_string())))
+    }
+}
+
+/// Open a new connection to `peer` with the configured timeouts.
+async fn connect(
+    connector: &pingora::connectors::http::v1::Connector,
+    peer: &HttpPeer,
+    cfg: &GatewayConfig,
+) -> pingora::Result<(HttpSession, bool)> {
+    let mut peer = peer.clone();
+    peer.options.connection_timeout = Some(cfg.timeouts.connect());
+    peer.options.total_connection_timeout = Some(cfg.timeouts.connect());
+    connector.get_http_session(&peer).await
+}

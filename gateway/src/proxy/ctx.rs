@@ -1,0 +1,93 @@
+//! [`RequestCtx`]: everything one request carries from phase to phase (pingora's `CTX`).
+//!
+//! What drives behaviour (the tenant, its token charge, the backends already tried, the
+//! last upstream error) and what is reported at the end (status, timings, bytes, the
+//! routing reason) live in one struct, filled in as the phases run and read once by
+//! [`super::ProxyApp::finish`].
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::auth::Tenant;
+use crate::error::ProxyError;
+use crate::request::UsageMeter;
+
+/// One request's state, from its head to its access-log line.
+#[derive(Debug)]
+pub(crate) struct RequestCtx {
+    /// When the head was read.
+    pub started: Instant,
+    /// Request method.
+    pub method: String,
+    /// Request path (no query).
+    pub path: String,
+    /// Status sent (0 until one is; 499: the client left).
+    pub status: u16,
+    /// Requested (or defaulted) model.
+    pub model: Option<String>,
+    /// Streamed response asked for.
+    pub stream: bool,
+    /// The API key's tenant, refused or not.
+    pub tenant: Option<Arc<Tenant>>,
+    /// Charged to the tenant's token budget: (total, prompt estimate).
+    pub charged: Option<(u64, u64)>,
+    /// What the response used, for settling the charge.
+    pub usage: UsageMeter,
+    /// Cluster positions already tried.
+    pub tried: Vec<usize>,
+    /// The last failed attempt's error (answered when no attempt is left).
+    pub last_error: Option<ProxyError>,
+    /// Backend URL of the last attempt.
+    pub backend: Option<String>,
+    /// The policy's reason for it.
+    pub reason: Option<&'static str>,
+    /// Arrival → first response chunk.
+    pub ttft: Option<Duration>,
+    /// Request body bytes.
+    pub request_bytes: usize,
+    /// Response body bytes.
+    pub response_bytes: usize,
+    /// Upstream body chunks read.
+    pub chunks: usize,
+    /// Retries on other backends.
+    pub retries: u32,
+    /// Error label for metrics and the access log.
+    pub error_kind: Option<&'static str>,
+}
+
+impl RequestCtx {
+    /// A request whose head was just read.
+    pub fn new(method: &str, path: &str) -> Self {
+        RequestCtx {
+            started: Instant::now(),
+            method: method.to_string(),
+            path: path.to_string(),
+            status: 0,
+            model: None,
+            stream: false,
+            tenant: None,
+            charged: None,
+            usage: UsageMeter::default(),
+            tried: Vec::new(),
+            last_error: None,
+            backend: None,
+            reason: None,
+            ttft: None,
+            request_bytes: 0,
+            response_bytes: 0,
+            chunks: 0,
+            retries: 0,
+            error_kind: None,
+        }
+    }
+
+    /// The tenant's name, or "" without API keys.
+    pub fn tenant_name(&self) -> &str {
+        self.tenant.as_ref().map_or("", |t| t.name.as_str())
+    }
+
+    /// The client went away.
+    pub fn client_gone(&mut self) {
+        self.error_kind = Some("client_gone");
+    }
+}

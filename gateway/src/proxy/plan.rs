@@ -1,0 +1,155 @@
+//! `read_and_plan`'s pure half: what the gateway decides about a request from its head and
+//! body alone, before any queue or engine — [`plan_request`].
+//!
+//! The proxy and the fuzz target ([`crate::fuzzing`]) call the same function, so the fuzzer
+//! exercises the real request path, not a copy of it.
+
+use pingora::http::RequestHeader;
+
+use crate::auth::Tenant;
+use crate::error::ProxyError;
+use crate::policy::prefix_index::block_hashes;
+use crate::request::{canonical_prompt, routing_fields};
+use crate::state::Active;
+
+/// What a request will be routed and charged as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoutePlan {
+    /// The model asked for, or the only one served when the request names none.
+    pub model: String,
+    /// Streamed response asked for.
+    pub stream: bool,
+    /// `max_tokens` (or `max_completion_tokens`), when a non-negative integer.
+    pub max_tokens: Option<u64>,
+    /// Admission priority: the priority header, else the tenant's, else 0.
+    pub priority: i32,
+    /// Token budget charge before routing: prompt estimate + max tokens (or the default).
+    pub charge: u64,
+    /// The prompt part of [`Self::charge`] (body bytes ÷ bytes per token).
+    pub prompt_charge: u64,
+    /// Block hashes of the canonical prompt (empty unless the policy reads prefixes).
+    pub hashes: Vec<u64>,
+    /// Estimated tokens of the canonical prompt (0 unless the policy reads prefixes).
+    pub prompt_tokens: u64,
+    /// The session header's value, for the `session` policy.
+    pub session: Option<String>,
+}
+
+/// Plan `body` (sent with `head`) under the config, policy and backends of `active`.
+/// `tenant` is the API key's, when keys are on.
+///
+/// # Errors
+/// 400 for a body that is not a JSON object with well-typed routing fields, or one that
+/// names no model while several are served.
+pub fn plan_request(
+    head: &RequestHeader,
+    body: &[u8],
+    active: &Active,
+    tenant: Option<&Tenant>,
+) -> Result<RoutePlan, ProxyError> {
+    let cfg = &active.config;
+    let fields = routing_fields(body)?;
+    let model = match fields.model {
+        Some(m) => m,
+        None => match active.cluster.models().as_slice() {
+            [only] => only.clone(),
+            _ => return Err(ProxyError::BadRequest("model is required".into())),
+        },
+    };
+    let priority = cfg
+        .admission
+        .priority_header
+        .as_ref()
+        .and_then(|h| head.headers.get(h.as_str()))
+        .and_then(|v| v.to_str().ok()?.trim().parse::<i32>().ok())
+        .or(tenant.map(|t| t.priority))
+        .unwrap_or(0);
+    let prompt_charge = cfg.prefix_index.tokens(body.len());
+    let charge = prompt_charge + fields.max_tokens.unwrap_or(cfg.auth.default_max_tokens);
+    let mut plan = RoutePlan {
+        model,
+        stream: fields.stream,
+        max_tokens: fields.max_tokens,
+        priority,
+        charge,
+        prompt_charge,
+        hashes: Vec::new(),
+        prompt_tokens: 0,
+        session: None,
+    };
+    plan.fit_policy(head, body, active);
+    Ok(plan)
+}
+
+impl RoutePlan {
+    /// Fill in what `active`'s policy reads: the canonical prompt's block hashes and token
+    /// estimate (prefix-aware policies), the session header (`session`). Called again when
+    /// a reload changed the policy while the request waited in the queue.
+    pub fn fit_policy(&mut self, head: &RequestHeader, body: &[u8], active: &Active) {
+        let policy = &active.policy;
+        let pcfg = &active.config.prefix_index;
+        if policy.uses_prefix() {
+            let text = canonical_prompt(body);
+            self.hashes = block_hashes(text.as_bytes(), pcfg.block_bytes);
+            self.prompt_tokens = pcfg.tokens(text.len());
+        } else {
+            self.hashes = Vec::new();
+            self.prompt_tokens = 0;
+        }
+        self.session =
+            policy.session_header().and_then(|h| head.headers.get(h)).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::GatewayConfig;
+
+    fn active(extra: &str) -> Active {
+        let yaml = format!(
+            "discovery:\n  static:\n    - url: http://127.0.0.1:9\n      models: [m]\nadmission:\n  priority_header: x-priority\n{extra}"
+        );
+        Active::for_config(GatewayConfig::parse(&yaml).unwrap())
+    }
+
+    fn head(headers: &[(&str, &str)]) -> RequestHeader {
+        let mut h = RequestHeader::build("POST", b"/v1/chat/completions", None).unwrap();
+        for (n, v) in headers {
+            h.append_header(n.to_string(), *v).unwrap();
+        }
+        h
+    }
+
+    #[test]
+    fn a_plan_names_model_priority_charge_and_prefix() {
+        let a = active("");
+        let body = format!(r#"{{"messages":[{{"role":"user","content":"{}"}}],"max_tokens":10}}"#, "hello ".repeat(200));
+        let p = plan_request(&head(&[("x-priority", " 3 ")]), body.as_bytes(), &a, None).unwrap();
+        assert_eq!((p.model.as_str(), p.stream, p.max_tokens, p.priority), ("m", false, Some(10), 3));
+        assert_eq!(p.charge, p.prompt_charge + 10);
+        assert!(!p.hashes.is_empty() && p.prompt_tokens > 0, "cost reads prefixes: {p:?}");
+        assert_eq!(p.session, None);
+        let p = plan_request(&head(&[("x-priority", "high")]), b"{\"model\":\"x\"}", &a, None).unwrap();
+        assert_eq!((p.model.as_str(), p.priority), ("x", 0));
+    }
+
+    #[test]
+    fn policies_that_do_not_read_prompts_get_no_hashes_and_sessions_get_their_header() {
+        let a = active("policy:\n  type: session\n  header: x-session\n");
+        let p = plan_request(&head(&[("x-session", "abc")]), br#"{"prompt":"once upon a time, long ago"}"#, &a, None)
+            .unwrap();
+        assert_eq!(p.session.as_deref(), Some("abc"));
+        let a = active("policy:\n  type: round_robin\n");
+        let p = plan_request(&head(&[]), br#"{"prompt":"once upon a time, long ago"}"#, &a, None).unwrap();
+        assert!(p.hashes.is_empty() && p.prompt_tokens == 0);
+    }
+
+    #[test]
+    fn bad_bodies_are_400() {
+        let a = active("");
+        for body in [&b"[]"[..], b"{\"model\":1}", b"{\"stream\":\"yes\"}"] {
+            assert_eq!(plan_request(&head(&[]), body, &a, None).unwrap_err().status(), 400);
+        }
+    }
+}

@@ -1,0 +1,71 @@
+//! The `queue` phase: hold a request while no engine can take it
+//! ([`crate::config::AdmissionConfig`], order from [`crate::admission`]).
+
+use std::time::{Duration, Instant};
+
+use crate::admission::Ticket;
+use crate::error::ProxyError;
+use crate::metrics::GatewayMetrics;
+
+use super::{routable, ProxyApp};
+
+/// How often the first waiter looks at the cluster view again (scrapes update it).
+const RECHECK: Duration = Duration::from_millis(20);
+
+/// Counts a request in the queue gauge and its wait in the histogram on every way out,
+/// the handler dropped mid-wait included.
+struct Queued<'a>(&'a GatewayMetrics, Instant);
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.queue_depth.dec();
+        self.0.queue_wait.observe(self.1.elapsed().as_secs_f64());
+    }
+}
+
+impl ProxyApp {
+    /// Returns at once when an engine is up and not saturated for `model` (or the model is
+    /// unknown while others are known: a 404 is due) and nobody waits; else waits in
+    /// priority order until it is first and an engine can take it, or until the deadline
+    /// (503 with `Retry-After`). The first waiter re-checks the cluster view every
+    /// [`RECHECK`] and whenever the waiter before it left. The ticket returned is kept
+    /// until the request is counted in flight on a backend, so the next waiter sees that
+    /// engine one request busier.
+    pub(super) async fn queue(
+        &self,
+        model: &str,
+        started: Instant,
+        priority: i32,
+    ) -> Result<Option<Ticket>, ProxyError> {
+        let ready = || {
+            let active = self.state.active.load();
+            let (candidates, known) = routable(&active, model, &[]);
+            let adm = &active.config.admission;
+            candidates.iter().any(|c| !adm.saturated(c.signal.as_ref()))
+                || (!known && !active.cluster.models().is_empty())
+        };
+        let adm = self.state.active.load().config.admission.clone();
+        let queue = &self.state.queue;
+        if adm.max_wait_ms == 0 || (queue.is_empty() && ready()) {
+            return Ok(None);
+        }
+        let Some(ticket) = queue.try_enter(priority, adm.max_queue) else {
+            return Err(ProxyError::NoBackend(model.to_string()));
+        };
+        let metrics = &self.state.metrics;
+        metrics.queue_depth.inc();
+        let _queued = Queued(metrics, started);
+        let deadline = tokio::time::Instant::from_std(started + Duration::from_millis(adm.max_wait_ms));
+        loop {
+            let moved = queue.changed();
+            if ticket.is_first() && ready() {
+                break Ok(Some(ticket));
+            }
+            tokio::select! {
+                _ = moved => {}
+                _ = tokio::time::sleep(RECHECK) => {}
+                _ = tokio::time::sleep_until(deadline) => break Err(ProxyError::NoBackend(model.to_string())),
+            }
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! The pingora server: listeners, services and the order they start in.
+//!
+//! Listeners are bound here, before pingora starts, so that `listen: 127.0.0.1:0` works: the
+//! gateway binds, learns the port the kernel gave, prints it (`listening on http://ADDR`,
+//! `admin listening on http://ADDR`, like the engine's line) and hands the listening socket
+//! to pingora through its file-descriptor table ([`PreBound`]) — the same table pingora uses
+//! to take over sockets during a zero-downtime upgrade. Connections that arrive between the
+//! print and pingora's first accept wait in the kernel's backlog.
+
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::IntoRawFd;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use pingora::listeners::ListenerConfig;
+use pingora::protocols::l4::stream::L4BufferSettings;
+use pingora::server::configuration::ServerConf;
+use pingora::server::{ListenFds, RunArgs, Server, ShutdownWatch};
+use pingora::services::background::background_service;
+use pingora::services::listening::Service;
+use pingora::services::{ServiceReadyNotifier, ServiceWithDependents};
+
+use crate::config::GatewayConfig;
+use crate::{admin, discovery, drain, metrics, proxy, reload, scrape, state, tls};
+
+/// Buffers of a client connection. The write buffer holds a response header until the first
+/// body write, so header and first chunk leave in one `write` (pingora's default of 1,460
+/// bytes is smaller than a typical first SSE chunk plus header, which costs a second syscall
+/// per response); it is allocated per connection, so 16 KiB × 1,000 connections = 16 MB.
+fn client_buffers() -> L4BufferSettings {
+    L4BufferSettings::default().write(16 * 1024)
+}
+
+/// Bind `addr` (port 0: any free port) and listen; the socket is handed to pingora later.
+fn bind(what: &str, addr: &str) -> anyhow::Result<(TcpListener, SocketAddr)> {
+    let listener = TcpListener::bind(addr).map_err(|e| anyhow::anyhow!("binding {what} {addr}: {e}"))?;
+    listener.set_nonblocking(true)?;
+    let bound = listener.local_addr()?;
+    Ok((listener, bound))
+}
+
+/// A listening service whose sockets were bound before pingora started: they are put into
+/// pingora's descriptor table under the address the service listens on, so pingora adopts
+/// them instead of binding again.
+struct PreBound<S> {
+    inner: S,
+    sockets: Vec<(SocketAddr, TcpListener)>,
+}
+
+#[async_trait]
+impl<S: ServiceWithDependents> ServiceWithDependents for PreBound<S> {
+    async fn start_service(
+        &mut self,
+        fds: Option<ListenFds>,
+        shutdown: ShutdownWatch,
+        listeners_per_fd: usize,
+        ready: ServiceReadyNotifier,
+    ) {
+        if let Some(table) = &fds {
+            let mut table = table.lock();
+            for (addr, socket) in self.sockets.drain(..) {
+                // pingora owns (and closes) the socket from here on.
+                table.add(addr.to_string(), socket.into_raw_fd());
+            }
+        }
+        self.inner.start_service(fds, shutdown, listeners_per_fd, ready).await
+    }
+
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn threads(&self) -> Option<usize> {
+        self.inner.threads()
+    }
+
+    fn on_startup_delay(&self, waited: Duration) {
+        self.inner.on_startup_delay(waited)
+    }
+
+    fn listen_addresses(&self) -> Option<Vec<String>> {
+        self.inner.listen_addresses()
+    }
+}
+
+/// Build the pingora server for a validated config and run it until shutdown
+/// (SIGTERM: graceful drain, see [`drain`]; SIGINT: fast).
+pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
+    let registry = prometheus::Registry::new();
+    let metrics = metrics::GatewayMetrics::new(registry)?;
+    let threads = match config.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let conf = ServerConf {
+        threads,
+        work_stealing: config.work_stealing,
+        // pingora sleeps this long after closing the listeners; `drain` exits earlier
+        // when nothing is left in flight.
+        grace_period_seconds: Some(
+            config.drain.grace_period_secs.saturating_sub(config.drain.close_listeners_after_ms / 1000),
+        ),
+        graceful_shutdown_timeout_seconds: Some(1),
+        ..ServerConf::default()
+    };
+    let (api_socket, api_addr) = bind("listen", &config.listen)?;
+    let (admin_socket, admin_addr) = bind("admin_listen", &config.admin_listen)?;
+    let certs = config.tls.as_ref().map(tls::CertStore::load).transpose().map_err(|e| anyhow::anyhow!("tls: {e}"))?;
+    let http2 = config.tls.as_ref().is_some_and(|t| t.http2);
+    let state = state::GatewayState::new(config, metrics);
+
+    let mut server = Server::new_with_opt_and_conf(None, conf);
+    server.bootstrap();
+    let mut proxy = Service::new("switchyard-proxy".into(), proxy::ProxyApp::new(state.clone()));
+    let api = api_addr.to_string();
+    match &certs {
+        Some(store) => {
+            let mut settings = pingora::listeners::tls::TlsSettings::intermediate("", "")?;
+            settings.set_cert_resolver(store.clone());
+            if http2 {
+                settings.enable_h2();
+            }
+            proxy.add_listener(ListenerConfig::tcp(&api).tls(settings).l4_buffer(client_buffers()));
+        }
+        None => proxy.add_listener(ListenerConfig::tcp(&api).l4_buffer(client_buffers())),
+    }
+    let mut admin = Service::new("switchyard-admin".into(), admin::AdminApp::new(state.clone()));
+    admin.add_tcp(&admin_addr.to_string());
+    server.add_service(PreBound { inner: proxy, sockets: vec![(api_addr, api_socket)] });
+    server.add_service(PreBound { inner: admin, sockets: vec![(admin_addr, admin_socket)] });
+    server.add_service(background_service("scraper", scrape::Scraper::new(state.clone())));
+    let discovery_cfg = state.active.load().config.discovery.clone();
+    let publisher = || {
+        let state = state.clone();
+        discovery::Publisher::new(move |urls| state.set_discovered(urls))
+    };
+    if let Some(d) = discovery_cfg.dns {
+        server.add_service(background_service("dns-discovery", discovery::dns::DnsService::new(publisher(), d)));
+    }
+    if let Some(k) = discovery_cfg.kubernetes {
+        let service = discovery::kubernetes::K8sDiscovery::new(publisher(), k);
+        server.add_service(background_service("kubernetes-discovery", service));
+    }
+    let drain = {
+        let (settings, flush) = (state.clone(), state.clone());
+        drain::DrainSignal::new(
+            state.lifecycle.clone(),
+            move || settings.active.load().config.drain.clone(),
+            move || flush.access_log.flush(),
+        )
+    };
+    server.add_service(background_service("config-reloader", reload::Reloader::new(state, config_path, certs.clone())));
+    tracing::info!(listen = %api_addr, admin_listen = %admin_addr, threads, tls = certs.is_some(), "switchyard-gateway starting");
+    // Lines a supervisor (or a test that asked for port 0) waits for: the sockets listen now.
+    println!("listening on {}://{api_addr}", if certs.is_some() { "https" } else { "http" });
+    println!("admin listening on http://{admin_addr}");
+    server.run(RunArgs { shutdown_signal: Box::new(drain) });
+    Ok(())
+}
