@@ -12,7 +12,8 @@
 //! When a full block is computed its owner registers it with [`BlockPool::cache_block`].
 //! A new request looks up its prompt's chain with [`BlockPool::find_cached_prefix`] and
 //! [`BlockPool::touch`]es the hits, which bumps their reference counts instead of
-//! recomputing them.
+//! recomputing them. The scheduler does none of this itself: it asks the
+//! [`KvCacheManager`](super::KvCacheManager), which does.
 //!
 //! ## Free queue and eviction
 //! Blocks whose reference count drops to zero go to the tail of one free queue (an

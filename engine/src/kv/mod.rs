@@ -1,5 +1,9 @@
-//! KV cache bookkeeping: the block pool and prefix caching.
+//! KV cache bookkeeping: the block pool with prefix caching ([`block_pool`], pure and
+//! property-tested) and, between it and the scheduler, the [`KvCacheManager`]
+//! ([`kv_cache_manager`]), which speaks in requests and token counts.
 
 pub mod block_pool;
+pub mod kv_cache_manager;
 
 pub use block_pool::{extend_block_hashes, hash_block, BlockHash, BlockId, BlockPool, PoolExhausted};
+pub use kv_cache_manager::{ComputedBlocks, KvCacheManager};

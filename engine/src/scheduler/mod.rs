@@ -1,7 +1,7 @@
 //! Continuous-batching scheduler with chunked prefill and preemption by recompute.
 //!
-//! The scheduler is pure: it owns the waiting and running queues and the
-//! [`BlockPool`](crate::kv::BlockPool), plans one step at a time and applies the step's
+//! The scheduler is pure: it owns the waiting and running queues and, through the
+//! [`KvCacheManager`], the KV blocks; it plans one step at a time and applies the step's
 //! sampled tokens. It has no clock, no channels and no threads; the runtime around it
 //! ([`crate::runtime`]) does the I/O.
 //!
@@ -22,6 +22,9 @@
 //!
 //! [`Scheduler::apply`] then advances every scheduled request, caches its newly full
 //! blocks, appends sampled tokens, checks stop conditions and frees finished requests.
+//! Blocks are the manager's: the scheduler asks it for prefix hits
+//! ([`KvCacheManager::get_computed_blocks`]), slots ([`KvCacheManager::allocate_slots`]) and
+//! to cache and free blocks, and never touches reference counts or hashes.
 //!
 //! ## Knobs ([`SchedulerConfig`])
 //! - `max_num_batched_tokens`: tokens computed per step (decodes + prefill chunks).
@@ -35,7 +38,7 @@ use std::sync::Arc;
 
 pub use request::{FinishReason, OutputText, Request, RequestId, SamplingParams};
 
-use crate::kv::{extend_block_hashes, BlockPool};
+use crate::kv::{BlockPool, ComputedBlocks, KvCacheManager};
 use crate::tokenizer::{TokenId, Tokenizer};
 
 /// Scheduler limits.
@@ -172,7 +175,7 @@ pub struct SchedulerStats {
 /// The scheduler. See the module documentation.
 pub struct Scheduler {
     cfg: SchedulerConfig,
-    pool: BlockPool,
+    kv: KvCacheManager,
     tokenizer: Arc<dyn Tokenizer>,
     requests: HashMap<RequestId, Request>,
     waiting: VecDeque<RequestId>,
@@ -185,7 +188,7 @@ impl Scheduler {
     pub fn new(cfg: SchedulerConfig, pool: BlockPool, tokenizer: Arc<dyn Tokenizer>) -> Self {
         Scheduler {
             cfg,
-            pool,
+            kv: KvCacheManager::new(pool),
             tokenizer,
             requests: HashMap::new(),
             waiting: VecDeque::new(),
@@ -203,8 +206,11 @@ impl Scheduler {
 
     /// Remove a request wherever it is and free its blocks. Returns whether it existed.
     pub fn abort(&mut self, id: RequestId) -> bool {
-        let Some(req) = self.requests.remove(&id) else { return false };
-        self.pool.free(&req.block_table);
+        if self.requests.remove(&id).is_none() {
+            return false;
+        }
+        self.kv.free(id);
+        self.kv.free_block_hashes(id);
         self.waiting.retain(|&w| w != id);
         self.running.retain(|&r| r != id);
         true
@@ -227,7 +233,7 @@ impl Scheduler {
 
     /// The block pool (read-only).
     pub fn pool(&self) -> &BlockPool {
-        &self.pool
+        self.kv.pool()
     }
 
     /// KV waste: token slots allocated to running requests but not (yet) holding a computed
@@ -235,8 +241,9 @@ impl Scheduler {
     /// block wastes slots; shared prefix blocks are full. PagedAttention's claim is that this
     /// stays near zero (vs 60–80% for contiguous pre-allocation).
     pub fn kv_waste(&self) -> f64 {
-        let bs = self.pool.block_size();
-        let in_use = (self.pool.num_blocks() - self.pool.num_free_blocks()) * bs;
+        let pool = self.kv.pool();
+        let bs = pool.block_size();
+        let in_use = (pool.num_blocks() - pool.num_free_blocks()) * bs;
         if in_use == 0 {
             return 0.0;
         }
@@ -244,7 +251,7 @@ impl Scheduler {
             .running
             .iter()
             .filter_map(|id| self.requests.get(id))
-            .map(|r| (r.block_table.len() * bs).saturating_sub(r.num_computed_tokens))
+            .map(|r| (self.kv.block_table(r.id).len() * bs).saturating_sub(r.num_computed_tokens))
             .sum();
         unused as f64 / in_use as f64
     }
@@ -274,9 +281,9 @@ impl Scheduler {
             let id = self.running[i];
             let req = &self.requests[&id];
             let n = (req.tokens.len() - req.num_computed_tokens).min(budget);
-            let need = self.pool.blocks_for(req.num_computed_tokens + n) - req.block_table.len();
+            let (start, total) = (req.num_computed_tokens, req.tokens.len());
             let mut scheduled_self = true;
-            while self.pool.num_free_blocks() < need {
+            while self.kv.allocate_slots(id, start + n, &ComputedBlocks::default()).is_err() {
                 let victim = *self.running.last().expect("running is not empty");
                 self.preempt(victim);
                 plan.preempted.push(victim);
@@ -288,11 +295,7 @@ impl Scheduler {
             if !scheduled_self {
                 break;
             }
-            let blocks = self.pool.allocate(need).expect("checked free blocks");
-            let req = self.requests.get_mut(&id).expect("running request exists");
-            req.block_table.extend(blocks);
-            let start = req.num_computed_tokens;
-            plan.seqs.push(ScheduledSeq { id, start, len: n, sample: start + n == req.tokens.len() });
+            plan.seqs.push(ScheduledSeq { id, start, len: n, sample: start + n == total });
             budget -= n;
             i += 1;
         }
@@ -316,35 +319,15 @@ impl Scheduler {
 
     /// Try to start a waiting request within `budget` tokens.
     fn admit(&mut self, id: RequestId, budget: usize) -> Option<ScheduledSeq> {
-        let bs = self.pool.block_size();
-        let prefix_caching = self.pool.prefix_caching();
         let req = self.requests.get_mut(&id).expect("waiting request exists");
         debug_assert_eq!(req.num_computed_tokens, 0);
         let total = req.tokens.len();
-        // Look up the prefix cache: full blocks only, and never the very last token.
-        let hits = if prefix_caching {
-            extend_block_hashes(&mut req.block_hashes, &req.tokens, bs);
-            let max_blocks = (total - 1) / bs;
-            self.pool.find_cached_prefix(&req.block_hashes[..max_blocks.min(req.block_hashes.len())])
-        } else {
-            Vec::new()
-        };
-        let hits_len = hits.len();
-        let cached = hits_len * bs;
+        let hits = self.kv.get_computed_blocks(id, &req.tokens);
+        let cached = hits.num_tokens;
         let n = (total - cached).min(budget);
-        let need = self.pool.blocks_for(cached + n) - hits.len();
-        // Hits that are currently free cannot also serve as fresh blocks.
-        let free_hits = hits.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
-        if self.pool.num_free_blocks() - free_hits < need {
-            return None;
-        }
-        self.pool.touch(&hits);
-        let fresh = self.pool.allocate(need).expect("checked free blocks");
-        req.block_table.extend(hits);
-        req.block_table.extend(fresh);
+        self.kv.allocate_slots(id, cached + n, &hits).ok()?;
         req.num_computed_tokens = cached;
         req.num_cached_tokens = cached;
-        req.num_registered_blocks = hits_len;
         self.stats.prefix_queries += total as u64;
         self.stats.prefix_hits += cached as u64;
         Some(ScheduledSeq { id, start: cached, len: n, sample: cached + n == total })
@@ -352,10 +335,8 @@ impl Scheduler {
 
     fn preempt(&mut self, id: RequestId) {
         let req = self.requests.get_mut(&id).expect("preempted request exists");
-        self.pool.free(&req.block_table);
-        req.block_table.clear();
+        self.kv.free(id);
         req.num_computed_tokens = 0;
-        req.num_registered_blocks = 0;
         req.num_preemptions += 1;
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
@@ -371,7 +352,7 @@ impl Scheduler {
                 SeqView {
                     sched: *s,
                     tokens: &r.tokens,
-                    block_table: &r.block_table,
+                    block_table: self.kv.block_table(s.id),
                     params: &r.params,
                     num_output_tokens: r.num_output_tokens(),
                     eos_allowed: r.eos_allowed(),
@@ -383,18 +364,10 @@ impl Scheduler {
     /// Apply a computed step: advance progress, cache full blocks, append `sampled`
     /// tokens (one per scheduled request with `sample`), finish what is done.
     pub fn apply(&mut self, plan: &StepPlan, sampled: Vec<Sampled>) -> Vec<Event> {
-        let bs = self.pool.block_size();
         for s in &plan.seqs {
             let Some(req) = self.requests.get_mut(&s.id) else { continue };
             req.num_computed_tokens = s.start + s.len;
-            if self.pool.prefix_caching() {
-                let full = req.num_computed_tokens / bs;
-                extend_block_hashes(&mut req.block_hashes, &req.tokens[..full * bs], bs);
-                for b in req.num_registered_blocks..full {
-                    self.pool.cache_block(req.block_table[b], req.block_hashes[b]);
-                }
-                req.num_registered_blocks = req.num_registered_blocks.max(full);
-            }
+            self.kv.cache_full_blocks(s.id, &req.tokens, req.num_computed_tokens);
         }
         let mut events = Vec::with_capacity(sampled.len());
         for Sampled { id, token, logprobs } in sampled {
@@ -409,7 +382,8 @@ impl Scheduler {
                 None => events.push(Event::Token { id, text, logprobs }),
                 Some(reason) => {
                     let req = self.requests.remove(&id).expect("exists");
-                    self.pool.free(&req.block_table);
+                    self.kv.free(id);
+                    self.kv.free_block_hashes(id);
                     self.running.retain(|&r| r != id);
                     events.push(Event::Finished {
                         id,

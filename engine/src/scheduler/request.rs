@@ -1,11 +1,11 @@
-//! A request's life inside the engine: its tokens, progress, block table and the
-//! incremental text it has produced, with stop-condition checks.
+//! A request's life inside the engine: its tokens, progress and the incremental text it has
+//! produced, with stop-condition checks. Its KV blocks are the
+//! [`KvCacheManager`](crate::kv::KvCacheManager)'s.
 //!
 //! Text is produced incrementally the way vLLM and TGI do it: decode a short window of
 //! recent tokens and emit only what is new, holding back output that ends in a broken
 //! UTF-8 sequence (U+FFFD) or that could still become the start of a stop string.
 
-use crate::kv::{BlockHash, BlockId};
 use crate::tokenizer::{TokenId, Tokenizer};
 
 /// Engine-wide request id.
@@ -173,12 +173,8 @@ pub struct Request {
     pub tokens: Vec<TokenId>,
     /// Length of the prompt part of `tokens`.
     pub num_prompt_tokens: usize,
-    /// Tokens whose KV has been computed (and is held in `block_table`).
+    /// Tokens whose KV has been computed (and is held in its blocks).
     pub num_computed_tokens: usize,
-    /// Blocks holding this request's KV, in token order.
-    pub block_table: Vec<BlockId>,
-    /// Chained hashes of this request's full blocks, as far as computed.
-    pub block_hashes: Vec<BlockHash>,
     /// Sampling parameters.
     pub params: SamplingParams,
     /// Decoded output.
@@ -187,8 +183,6 @@ pub struct Request {
     pub num_preemptions: u32,
     /// Prompt tokens served from the prefix cache at its (last) admission.
     pub num_cached_tokens: usize,
-    /// Leading blocks of `block_table` already offered to the prefix cache.
-    pub num_registered_blocks: usize,
 }
 
 impl Request {
@@ -199,13 +193,10 @@ impl Request {
             num_prompt_tokens: prompt.len(),
             tokens: prompt,
             num_computed_tokens: 0,
-            block_table: Vec::new(),
-            block_hashes: Vec::new(),
             params,
             output: OutputText::default(),
             num_preemptions: 0,
             num_cached_tokens: 0,
-            num_registered_blocks: 0,
         }
     }
 
