@@ -3,8 +3,9 @@
 //! The gateway scrapes every engine pod about every 100 ms and routes on how
 //! loaded each one is. Engines disagree on names (vLLM, SGLang, TGI and
 //! llama.cpp each have their own), so this crate is the single place that
-//! knows them. It is pure: no I/O, no clock (the caller passes the scrape
-//! time), no globals, no logging; the same bytes always give the same result.
+//! knows them. Its parsers are pure: no I/O, no clock (the caller passes the
+//! scrape time), no globals, no logging; the same bytes always give the same
+//! result.
 //!
 //! # Algorithm
 //!
@@ -53,6 +54,18 @@
 //! `max_model_len` comes from a `vllm:max_model_len` sample or from a
 //! `max_model_len` label on `vllm:cache_config_info` or
 //! `vllm:model_config_info`.
+//!
+//! # Features
+//!
+//! - `process`: the `process` module, what every Switchyard binary shares
+//!   (Unix time, waiting for SIGTERM, the drain loop); adds tokio.
+//! - `sidecar` (default, implies `process`): the `sidecar` module, the engine
+//!   pod's sidecar that the `switchyard-shim` binary runs (an axum server, a
+//!   hyper client, a Prometheus registry).
+//!
+//! Without `sidecar`, as the gateway (`process`) and the load generator
+//! (neither) link it, the crate has no HTTP dependency: the parsers,
+//! [`expose`] and [`openai_error`] need only `serde_json` and `thiserror`.
 
 pub mod error;
 pub mod expose;
@@ -60,6 +73,8 @@ mod normalize;
 pub mod openai_error;
 #[cfg(feature = "process")]
 pub mod process;
+#[cfg(feature = "sidecar")]
+pub mod sidecar;
 pub mod text;
 
 #[cfg(test)]
