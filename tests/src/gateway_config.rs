@@ -1,8 +1,9 @@
 //! One typed way for a test to write a gateway config: [`GatewayConfigBuilder`] renders the
 //! YAML that `switchyard-gateway --config` reads.
 //!
-//! Defaults suit a test on loopback: two proxy threads, scrapes every 50 ms (timeout 500 ms,
-//! stale after 1 s), no policy line (the gateway's default, `cost`). Sections the builder has
+//! Defaults suit a test on loopback: both listeners on port 0 (the gateway prints the
+//! addresses it bound, which [`crate::GatewayProc`] reads), two proxy threads, scrapes every
+//! 50 ms (timeout 500 ms, stale after 1 s), no policy line (the gateway's default, `cost`). Sections the builder has
 //! no typed setter for (`limits`, `timeouts`, `retries`, `health`, `admission`, `drain`, …)
 //! are set whole with [`GatewayConfigBuilder::section`]; setting any key twice panics, so a
 //! test never ends up with a YAML file holding two `policy:` lines.
@@ -117,6 +118,12 @@ impl ApiKey {
     }
 }
 
+/// Default `listen`: any free port on loopback.
+pub const LISTEN_ANY_PORT: &str = "127.0.0.1:0";
+/// Default `admin_listen`: any free port on another loopback address, because the gateway's
+/// validation refuses an `admin_listen` string equal to `listen`'s, port 0 or not.
+pub const ADMIN_LISTEN_ANY_PORT: &str = "127.0.0.2:0";
+
 /// Top-level keys the builder writes itself.
 const TYPED_KEYS: &[&str] =
     &["listen", "admin_listen", "threads", "discovery", "policy", "scrape", "auth", "tls", "upstream_tls"];
@@ -151,16 +158,11 @@ impl GatewayConfigBuilder {
         }
     }
 
-    /// The API and admin listeners (the test kit sets these when it starts a gateway).
+    /// Fixed API and admin listeners (default: port 0, see the module docs).
     pub fn listeners(mut self, listen: SocketAddr, admin_listen: SocketAddr) -> GatewayConfigBuilder {
         self.listen = Some(listen);
         self.admin_listen = Some(admin_listen);
         self
-    }
-
-    /// The API listener, if set.
-    pub fn listen_addr(&self) -> Option<SocketAddr> {
-        self.listen
     }
 
     /// Proxy worker threads (default 2).
@@ -289,13 +291,13 @@ impl GatewayConfigBuilder {
         self
     }
 
-    /// The YAML file. Listeners not set yet are rendered as `127.0.0.1:0`.
+    /// The YAML file.
     pub fn render(&self) -> String {
-        let addr = |a: Option<SocketAddr>| a.map_or_else(|| "127.0.0.1:0".to_string(), |a| a.to_string());
+        let addr = |a: Option<SocketAddr>, any: &str| a.map_or_else(|| any.to_string(), |a| a.to_string());
         let mut y = format!(
             "listen: {}\nadmin_listen: {}\nthreads: {}\n",
-            addr(self.listen),
-            addr(self.admin_listen),
+            addr(self.listen, LISTEN_ANY_PORT),
+            addr(self.admin_listen, ADMIN_LISTEN_ANY_PORT),
             self.threads
         );
         match &self.discovery {

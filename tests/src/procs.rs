@@ -27,7 +27,9 @@ pub fn workspace_bin(name: &str) -> PathBuf {
     path
 }
 
-/// A port that was free a moment ago (bind `127.0.0.1:0`, read it, release it).
+/// A port that was free a moment ago (bind `127.0.0.1:0`, read it, release it): for an engine
+/// a test starts later on a port its gateway already knows, or a port nobody listens on.
+/// Processes the kit starts listen on port 0 and print their address instead.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().unwrap().port()
 }
@@ -116,39 +118,52 @@ pub struct GatewayProc {
 }
 
 impl GatewayProc {
-    /// Write `config` and start the gateway on it; waits until both listeners accept.
-    /// Listeners the config does not set get free loopback ports.
+    /// Write `config` and start the gateway on it. Its listeners are on port 0 unless the
+    /// config fixes them: the addresses come from the lines the gateway prints once both
+    /// sockets listen (`listening on http[s]://ADDR`, `admin listening on http://ADDR`).
+    /// Everything it writes, those lines included, goes to its log file.
     pub fn start(config: &GatewayConfigBuilder) -> GatewayProc {
         let dir = scratch_dir("gateway");
-        let config = match config.listen_addr() {
-            Some(_) => config.clone(),
-            None => config.clone().listeners(
-                format!("127.0.0.1:{}", free_port()).parse().unwrap(),
-                format!("127.0.0.1:{}", free_port()).parse().unwrap(),
-            ),
-        };
-        let yaml = config.render();
-        let addr: SocketAddr = field(&yaml, "listen");
-        let admin: SocketAddr = field(&yaml, "admin_listen");
         let config_path = dir.join("gateway.yaml");
-        std::fs::write(&config_path, &yaml).unwrap();
+        std::fs::write(&config_path, config.render()).unwrap();
         let log_path = dir.join("gateway.log");
-        let log = std::fs::File::create(&log_path).unwrap();
-        let child = Command::new(workspace_bin("switchyard-gateway"))
+        let append = || std::fs::OpenOptions::new().create(true).append(true).open(&log_path).unwrap();
+        let mut child = Command::new(workspace_bin("switchyard-gateway"))
             .arg("--config")
             .arg(&config_path)
             .env("RUST_LOG", "info")
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
+            .stdout(Stdio::piped())
+            .stderr(append())
             .spawn()
             .expect("spawn switchyard-gateway");
-        let g = GatewayProc { child, addr, admin, config_path, log_path };
-        let start = Instant::now();
-        while std::net::TcpStream::connect(g.addr).is_err() || std::net::TcpStream::connect(g.admin).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(20), "gateway did not listen within 20 s: {}", g.log());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        g
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut log = append();
+        std::thread::spawn(move || {
+            use std::io::Write;
+            let (mut api, mut admin) = (None, None);
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let _ = writeln!(log, "{line}");
+                let l = line.trim();
+                if let Some(a) = l.strip_prefix("admin listening on http://") {
+                    admin = a.parse::<SocketAddr>().ok();
+                } else if let Some(a) =
+                    l.strip_prefix("listening on http://").or_else(|| l.strip_prefix("listening on https://"))
+                {
+                    api = a.parse::<SocketAddr>().ok();
+                }
+                if let (Some(api), Some(admin)) = (api, admin) {
+                    let _ = tx.send((api, admin));
+                }
+            }
+        });
+        let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+        let (addr, admin) = rx.recv_timeout(Duration::from_secs(20)).unwrap_or_else(|_| {
+            let _ = child.kill();
+            panic!("the gateway printed no listening lines within 20 s:\n{}", read_log())
+        });
+        GatewayProc { child, addr, admin, config_path, log_path }
     }
 
     /// Its log so far.
@@ -156,10 +171,10 @@ impl GatewayProc {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
     }
 
-    /// Replace the config file with `config` on this gateway's listeners (they are read at
-    /// start only).
+    /// Replace the config file with `config` (listeners are read at start only, so a
+    /// config that sets none keeps the ones it started with).
     pub fn rewrite(&self, config: &GatewayConfigBuilder) {
-        self.rewrite_config(&config.clone().listeners(self.addr, self.admin).render());
+        self.rewrite_config(&config.render());
     }
 
     /// Replace the config file with `yaml` (atomically, by rename, as a ConfigMap update does).
@@ -240,10 +255,4 @@ impl Drop for ShimProc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// The value of top-level `key` in a rendered config.
-fn field(yaml: &str, key: &str) -> SocketAddr {
-    let prefix = format!("{key}: ");
-    yaml.lines().find_map(|l| l.strip_prefix(&prefix)).expect("key in config").parse().expect("an address")
 }

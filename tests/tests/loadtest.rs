@@ -26,6 +26,9 @@ fn hist_sum(text: &str, name: &str) -> f64 {
 /// The loadtest's samples and the engine's histogram describe the same distribution:
 /// equal means (±10%, the histogram's sum is exact) and, at every bucket boundary, the
 /// same share of samples below it (±0.1) — percentiles agree to the histogram's resolution.
+/// The engine stamps a token when it sends it and the client when it reads it: on a loaded
+/// machine a read can come a few milliseconds late (and the next gap is as much shorter), so
+/// the client's share is taken a little either side of each boundary (5 ms + 10%).
 fn agree(what: &str, samples_ms: &[f64], buckets: &[(f64, f64)], count: f64, sum_s: f64) {
     assert_eq!(samples_ms.len() as f64, count, "{what}: the engine saw as many as the client measured");
     let client_mean = samples_ms.iter().sum::<f64>() / samples_ms.len() as f64;
@@ -38,11 +41,15 @@ fn agree(what: &str, samples_ms: &[f64], buckets: &[(f64, f64)], count: f64, sum
         if !le.is_finite() {
             continue;
         }
-        let client = samples_ms.iter().filter(|&&x| x <= le * 1e3).count() as f64 / samples_ms.len() as f64;
+        let share = |ms: f64| samples_ms.iter().filter(|&&x| x <= ms).count() as f64 / samples_ms.len() as f64;
+        let slack_ms = 5.0 + 0.1 * le * 1e3;
+        let (low, high) = (share(le * 1e3 - slack_ms), share(le * 1e3 + slack_ms));
         let engine = cum / count;
         assert!(
-            (client - engine).abs() <= 0.1,
-            "{what}: share ≤ {le}s is {client:.2} for the client, {engine:.2} for the engine"
+            low - 0.1 <= engine && engine <= high + 0.1,
+            "{what}: share ≤ {le}s is {engine:.2} for the engine; the client's is {low:.2} at {slack_ms:.1} ms \
+             below and {high:.2} at {slack_ms:.1} ms above ({:.2} at the boundary)",
+            share(le * 1e3)
         );
     }
 }
