@@ -26,7 +26,7 @@ use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::error::FieldError;
+use crate::error::{Errors, FieldError};
 
 /// `auth`: absent or without keys, every request is let through unauthenticated.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -107,14 +107,37 @@ impl AuthConfig {
         }
     }
 
-    /// Field-level problems, sources read.
-    pub fn validate(&self, errs: &mut Vec<FieldError>) {
-        let keys = match self.all_keys() {
-            Ok(k) => k,
-            Err(e) => return errs.extend(e),
-        };
+    /// Field-level problems of the keys written in the file (pure; the key sources are
+    /// [`Self::check_files`]'s).
+    pub fn validate(&self, errs: &mut Errors) {
+        validate_keys(&self.keys, 0, errs);
+    }
+
+    /// Read `keys_file` and `keys_env` now and check the keys they hold; a key listed twice
+    /// anywhere is a duplicate. They are numbered after the file's own (`auth.keys[N+i]`).
+    pub fn check_files(&self, errs: &mut Errors) {
+        if self.keys_file.is_none() && self.keys_env.is_none() {
+            return;
+        }
+        match self.all_keys() {
+            Ok(keys) => validate_keys(&keys, self.keys.len(), errs),
+            Err(list) => {
+                for e in list {
+                    errs.add(e.field, e.value, e.reason);
+                }
+            }
+        }
+    }
+}
+
+/// Field-level problems of `keys`, reported as `auth.keys[i]` from position `from` on
+/// (earlier ones only count for duplicates).
+fn validate_keys(keys: &[ApiKeyConfig], from: usize, errs: &mut Errors) {
+    {
         let mut bad = |i: usize, field: &str, value: String, reason: &str| {
-            errs.push(FieldError { field: format!("auth.keys[{i}].{field}"), value, reason: reason.into() })
+            if i >= from {
+                errs.add(format!("auth.keys[{i}].{field}"), value, reason)
+            }
         };
         let mut seen = std::collections::HashSet::new();
         for (i, k) in keys.iter().enumerate() {
@@ -371,8 +394,9 @@ mod tests {
             keys_env: Some(var.clone()),
             ..AuthConfig::default()
         };
-        let mut errs = Vec::new();
+        let mut errs = Errors::default();
         cfg.validate(&mut errs);
+        cfg.check_files(&mut errs);
         assert!(errs.is_empty(), "{errs:?}");
         let auth = Authenticator::build(cfg.enabled(), cfg.all_keys().unwrap(), None);
         for (secret, tenant) in [("sk-i", "inline"), ("sk-f", "from-file"), ("sk-e", "from-env")] {
@@ -390,9 +414,9 @@ mod tests {
         bad.burst = Some(0);
         bad.requests_per_second = Some(-1.0);
         let cfg = AuthConfig { keys: vec![key("a", "k"), key("a2", "k"), bad], ..AuthConfig::default() };
-        let mut errs = Vec::new();
+        let mut errs = Errors::default();
         cfg.validate(&mut errs);
-        let fields: Vec<_> = errs.iter().map(|e| e.field.as_str()).collect();
+        let fields: Vec<_> = errs.list().iter().map(|e| e.field.as_str()).collect();
         assert_eq!(
             fields,
             [
@@ -404,8 +428,10 @@ mod tests {
             ]
         );
         let missing = AuthConfig { keys_file: Some("/nonexistent/keys.yaml".into()), ..AuthConfig::default() };
-        let mut errs = Vec::new();
+        let mut errs = Errors::default();
         missing.validate(&mut errs);
-        assert_eq!(errs[0].field, "auth.keys_file");
+        assert!(errs.is_empty(), "validation reads no file");
+        missing.check_files(&mut errs);
+        assert_eq!(errs.list()[0].field, "auth.keys_file");
     }
 }

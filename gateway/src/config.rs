@@ -1,8 +1,10 @@
 //! Gateway configuration: the YAML file, its defaults and its validation.
 //!
-//! `GatewayConfig::load(path)` reads, parses (unknown keys are errors) and validates; every
+//! `GatewayConfig::load(path)` reads, parses (unknown keys are errors), validates — each
+//! section checks itself next to its struct, pure — and then checks the files the config
+//! names (certificates, CA bundle, key sources: [`GatewayConfig::check_files`]); every
 //! problem is reported with its field path, the value given and the reason, all at once
-//! (`switchyard-gateway --validate FILE` prints them). Durations are milliseconds in the
+//! (`switchyard-gateway --validate FILE` prints them). Defaults are the `DEFAULT_*` constants. Durations are milliseconds in the
 //! file (`_ms` keys) and [`Duration`]s through the accessors.
 
 use std::net::SocketAddr;
@@ -12,7 +14,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::auth::AuthConfig;
-use crate::error::{ConfigError, FieldError};
+use crate::error::{ConfigError, Errors};
 use crate::policy::PolicyConfig;
 use crate::tls::TlsConfig;
 
@@ -22,6 +24,56 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 /// Default `limits.max_body_bytes` (16 MiB).
 pub const DEFAULT_MAX_BODY_BYTES: u64 = 16 * 1024 * 1024;
+/// Default `discovery.resolve_interval_ms`.
+pub const DEFAULT_RESOLVE_INTERVAL_MS: u64 = 5000;
+/// Default `discovery.dns.interval_ms`.
+pub const DEFAULT_DNS_INTERVAL_MS: u64 = 5000;
+/// Default `scrape.interval_ms`.
+pub const DEFAULT_SCRAPE_INTERVAL_MS: u64 = 100;
+/// Default `scrape.timeout_ms`.
+pub const DEFAULT_SCRAPE_TIMEOUT_MS: u64 = 500;
+/// Default `scrape.stale_after_ms`.
+pub const DEFAULT_STALE_AFTER_MS: u64 = 2000;
+/// Default `scrape.down_after_failures`.
+pub const DEFAULT_DOWN_AFTER_FAILURES: u32 = 3;
+/// Default `prefix_index.block_bytes` (≈ one 16-token KV block).
+pub const DEFAULT_PREFIX_BLOCK_BYTES: usize = 64;
+/// Default `prefix_index.max_bytes` (64 MiB).
+pub const DEFAULT_PREFIX_MAX_BYTES: usize = 64 * 1024 * 1024;
+/// Default `prefix_index.bytes_per_token`.
+pub const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
+/// Default `limits.header_read_timeout_ms`.
+pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
+/// Default `limits.max_header_bytes` (64 KiB).
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
+/// Default `limits.max_headers`.
+pub const DEFAULT_MAX_HEADERS: usize = 100;
+/// Default `limits.body_read_timeout_ms`.
+pub const DEFAULT_BODY_READ_TIMEOUT_MS: u64 = 30_000;
+/// Default `timeouts.connect_ms`.
+pub const DEFAULT_CONNECT_MS: u64 = 1000;
+/// Default `timeouts.first_byte_ms` (ten minutes: queueing and prefill of a long prompt).
+pub const DEFAULT_FIRST_BYTE_MS: u64 = 600_000;
+/// Default `timeouts.idle_ms`.
+pub const DEFAULT_IDLE_MS: u64 = 60_000;
+/// Default `admission.max_queue`.
+pub const DEFAULT_MAX_QUEUE: usize = 1000;
+/// Default `retries.max_attempts`.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+/// Default `retries.budget_percent`.
+pub const DEFAULT_RETRY_BUDGET_PERCENT: u32 = 20;
+/// Default `retries.min_retries_per_second`.
+pub const DEFAULT_MIN_RETRIES_PER_SECOND: u32 = 10;
+/// Default `health.consecutive_failures`.
+pub const DEFAULT_CONSECUTIVE_FAILURES: u32 = 5;
+/// Default `health.ejection_ms`.
+pub const DEFAULT_EJECTION_MS: u64 = 10_000;
+/// Default `health.max_ejection_percent`.
+pub const DEFAULT_MAX_EJECTION_PERCENT: u32 = 50;
+/// Default `drain.grace_period_secs` (below Kubernetes' 30 s termination grace).
+pub const DEFAULT_GRACE_PERIOD_SECS: u64 = 25;
+/// Default `drain.close_listeners_after_ms`.
+pub const DEFAULT_CLOSE_LISTENERS_AFTER_MS: u64 = 5000;
 
 /// The whole file.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -101,6 +153,16 @@ pub struct UpstreamTlsConfig {
     pub ca_file: Option<String>,
 }
 
+impl UpstreamTlsConfig {
+    fn check_files(&self, errs: &mut Errors) {
+        if let Some(ca) = &self.ca_file {
+            if let Err(e) = std::fs::read(ca) {
+                errs.add("upstream_tls.ca_file", ca, e.to_string());
+            }
+        }
+    }
+}
+
 /// Backend discovery.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -122,7 +184,43 @@ pub struct DiscoveryConfig {
 
 impl Default for DiscoveryConfig {
     fn default() -> Self {
-        DiscoveryConfig { static_backends: Vec::new(), resolve_interval_ms: 5000, kubernetes: None, dns: None }
+        DiscoveryConfig {
+            static_backends: Vec::new(),
+            resolve_interval_ms: DEFAULT_RESOLVE_INTERVAL_MS,
+            kubernetes: None,
+            dns: None,
+        }
+    }
+}
+
+impl DiscoveryConfig {
+    fn validate(&self, errs: &mut Errors) {
+        let mut seen = std::collections::HashSet::new();
+        for (i, b) in self.static_backends.iter().enumerate() {
+            if let Err(reason) = parse_backend_url(&b.url) {
+                errs.add(format!("discovery.static[{i}].url"), &b.url, reason);
+            } else if !seen.insert(b.url.trim_end_matches('/')) {
+                errs.add(format!("discovery.static[{i}].url"), &b.url, "listed twice");
+            }
+            if let Some(models) = &b.models {
+                if models.is_empty() || models.iter().any(|m| m.is_empty()) {
+                    errs.add(
+                        format!("discovery.static[{i}].models"),
+                        format!("{models:?}"),
+                        "must list non-empty model names",
+                    );
+                }
+            }
+        }
+        if let Some(k) = &self.kubernetes {
+            k.validate(errs);
+        }
+        if let Some(d) = &self.dns {
+            d.validate(errs);
+            if self.kubernetes.is_some() {
+                errs.add("discovery.dns", &d.name, "use either discovery.dns or discovery.kubernetes");
+            }
+        }
     }
 }
 
@@ -140,7 +238,21 @@ pub struct DnsDiscovery {
 }
 
 fn default_dns_interval() -> u64 {
-    5000
+    DEFAULT_DNS_INTERVAL_MS
+}
+
+impl DnsDiscovery {
+    fn validate(&self, errs: &mut Errors) {
+        if self.name.is_empty() || self.name.contains(['/', ':', ' ']) {
+            errs.add("discovery.dns.name", &self.name, "must be a host name");
+        }
+        if self.port == 0 {
+            errs.add("discovery.dns.port", 0, "must be a port (1-65535)");
+        }
+        if !(100..=3_600_000).contains(&self.interval_ms) {
+            errs.add("discovery.dns.interval_ms", self.interval_ms, "must be in 100..=3600000");
+        }
+    }
 }
 
 /// `discovery.kubernetes`: watch the EndpointSlices of a Service (or of a label selector).
@@ -165,6 +277,24 @@ pub struct KubernetesDiscovery {
 }
 
 impl KubernetesDiscovery {
+    fn validate(&self, errs: &mut Errors) {
+        if self.namespace.is_empty() {
+            errs.add("discovery.kubernetes.namespace", "", "must name a namespace");
+        }
+        if self.service.is_some() == self.label_selector.is_some() {
+            errs.add(
+                "discovery.kubernetes.service",
+                format!("{:?} / {:?}", self.service, self.label_selector),
+                "give exactly one of service and label_selector",
+            );
+        }
+        if let Some(url) = &self.api_server {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                errs.add("discovery.kubernetes.api_server", url, "must be an http(s) URL");
+            }
+        }
+    }
+
     /// The label selector over EndpointSlices.
     pub fn selector(&self) -> String {
         match (&self.service, &self.label_selector) {
@@ -217,11 +347,28 @@ pub enum SignalSource {
 impl Default for ScrapeConfig {
     fn default() -> Self {
         ScrapeConfig {
-            interval_ms: 100,
-            timeout_ms: 500,
-            stale_after_ms: 2000,
-            down_after_failures: 3,
+            interval_ms: DEFAULT_SCRAPE_INTERVAL_MS,
+            timeout_ms: DEFAULT_SCRAPE_TIMEOUT_MS,
+            stale_after_ms: DEFAULT_STALE_AFTER_MS,
+            down_after_failures: DEFAULT_DOWN_AFTER_FAILURES,
             source: SignalSource::Metrics,
+        }
+    }
+}
+
+impl ScrapeConfig {
+    fn validate(&self, errs: &mut Errors) {
+        if !(10..=60_000).contains(&self.interval_ms) {
+            errs.add("scrape.interval_ms", self.interval_ms, "must be in 10..=60000");
+        }
+        if self.timeout_ms == 0 {
+            errs.add("scrape.timeout_ms", 0, "must be > 0");
+        }
+        if self.stale_after_ms < self.interval_ms {
+            errs.add("scrape.stale_after_ms", self.stale_after_ms, "must be >= scrape.interval_ms");
+        }
+        if self.down_after_failures == 0 {
+            errs.add("scrape.down_after_failures", 0, "must be >= 1");
         }
     }
 }
@@ -240,11 +387,27 @@ pub struct PrefixIndexConfig {
 
 impl Default for PrefixIndexConfig {
     fn default() -> Self {
-        PrefixIndexConfig { block_bytes: 64, max_bytes: 64 * 1024 * 1024, bytes_per_token: 4.0 }
+        PrefixIndexConfig {
+            block_bytes: DEFAULT_PREFIX_BLOCK_BYTES,
+            max_bytes: DEFAULT_PREFIX_MAX_BYTES,
+            bytes_per_token: DEFAULT_BYTES_PER_TOKEN,
+        }
     }
 }
 
 impl PrefixIndexConfig {
+    fn validate(&self, errs: &mut Errors) {
+        if !(1..=65_536).contains(&self.block_bytes) {
+            errs.add("prefix_index.block_bytes", self.block_bytes, "must be in 1..=65536");
+        }
+        if self.max_bytes < 4096 {
+            errs.add("prefix_index.max_bytes", self.max_bytes, "must be >= 4096");
+        }
+        if !(self.bytes_per_token.is_finite() && self.bytes_per_token > 0.0) {
+            errs.add("prefix_index.bytes_per_token", self.bytes_per_token, "must be a number > 0");
+        }
+    }
+
     /// Estimated tokens in `bytes` of prompt text.
     pub fn tokens(&self, bytes: usize) -> u64 {
         (bytes as f64 / self.bytes_per_token).round() as u64
@@ -272,15 +435,36 @@ impl Default for LimitsConfig {
     fn default() -> Self {
         LimitsConfig {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-            header_read_timeout_ms: 10_000,
-            max_header_bytes: 64 * 1024,
-            max_headers: 100,
-            body_read_timeout_ms: 30_000,
+            header_read_timeout_ms: DEFAULT_HEADER_READ_TIMEOUT_MS,
+            max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
+            max_headers: DEFAULT_MAX_HEADERS,
+            body_read_timeout_ms: DEFAULT_BODY_READ_TIMEOUT_MS,
         }
     }
 }
 
 impl LimitsConfig {
+    fn validate(&self, errs: &mut Errors) {
+        if self.max_body_bytes == 0 {
+            errs.add("limits.max_body_bytes", 0, "must be > 0");
+        }
+        if self.max_header_bytes < 1024 {
+            errs.add("limits.max_header_bytes", self.max_header_bytes, "must be >= 1024");
+        }
+        if !(8..=256).contains(&self.max_headers) {
+            // pingora's parser stops at 256 fields.
+            errs.add("limits.max_headers", self.max_headers, "must be in 8..=256");
+        }
+        for (name, v) in [
+            ("limits.header_read_timeout_ms", self.header_read_timeout_ms),
+            ("limits.body_read_timeout_ms", self.body_read_timeout_ms),
+        ] {
+            if v == 0 {
+                errs.add(name, 0, "must be > 0");
+            }
+        }
+    }
+
     /// Header read deadline.
     pub fn header_read_timeout(&self) -> Duration {
         Duration::from_millis(self.header_read_timeout_ms)
@@ -305,7 +489,25 @@ pub struct TimeoutsConfig {
 
 impl Default for TimeoutsConfig {
     fn default() -> Self {
-        TimeoutsConfig { connect_ms: 1000, first_byte_ms: 600_000, idle_ms: 60_000 }
+        TimeoutsConfig {
+            connect_ms: DEFAULT_CONNECT_MS,
+            first_byte_ms: DEFAULT_FIRST_BYTE_MS,
+            idle_ms: DEFAULT_IDLE_MS,
+        }
+    }
+}
+
+impl TimeoutsConfig {
+    fn validate(&self, errs: &mut Errors) {
+        for (name, v) in [
+            ("timeouts.connect_ms", self.connect_ms),
+            ("timeouts.first_byte_ms", self.first_byte_ms),
+            ("timeouts.idle_ms", self.idle_ms),
+        ] {
+            if v == 0 {
+                errs.add(name, 0, "must be > 0");
+            }
+        }
     }
 }
 
@@ -332,7 +534,7 @@ pub struct AdmissionConfig {
 impl Default for AdmissionConfig {
     fn default() -> Self {
         AdmissionConfig {
-            max_queue: 1000,
+            max_queue: DEFAULT_MAX_QUEUE,
             max_wait_ms: 0,
             priority_header: None,
             saturated_waiting: None,
@@ -342,6 +544,21 @@ impl Default for AdmissionConfig {
 }
 
 impl AdmissionConfig {
+    fn validate(&self, errs: &mut Errors) {
+        if self.max_wait_ms > 0 && self.max_queue == 0 {
+            errs.add("admission.max_queue", 0, "must be >= 1 when admission.max_wait_ms > 0");
+        }
+        if self.saturated_waiting.is_some_and(|t| !(t >= 0.0 && t.is_finite())) {
+            errs.add("admission.saturated_waiting", format!("{:?}", self.saturated_waiting), "must be >= 0");
+        }
+        if self.saturated_kv_usage.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {
+            errs.add("admission.saturated_kv_usage", format!("{:?}", self.saturated_kv_usage), "must be in (0, 1]");
+        }
+        if self.max_wait_ms > 3_600_000 {
+            errs.add("admission.max_wait_ms", self.max_wait_ms, "must be at most 3600000 (one hour)");
+        }
+    }
+
     /// Whether `signal` (a backend's fresh scrape) is past a saturation threshold. A backend
     /// without a fresh signal is not: what is unknown is not held back.
     pub fn saturated(&self, signal: Option<&crate::policy::SignalView>) -> bool {
@@ -370,7 +587,28 @@ pub struct RetriesConfig {
 
 impl Default for RetriesConfig {
     fn default() -> Self {
-        RetriesConfig { max_attempts: 3, retry_on_status: vec![503], budget_percent: 20, min_retries_per_second: 10 }
+        RetriesConfig {
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            retry_on_status: vec![503],
+            budget_percent: DEFAULT_RETRY_BUDGET_PERCENT,
+            min_retries_per_second: DEFAULT_MIN_RETRIES_PER_SECOND,
+        }
+    }
+}
+
+impl RetriesConfig {
+    fn validate(&self, errs: &mut Errors) {
+        if !(1..=10).contains(&self.max_attempts) {
+            errs.add("retries.max_attempts", self.max_attempts, "must be in 1..=10");
+        }
+        for (i, code) in self.retry_on_status.iter().enumerate() {
+            if !(500..=599).contains(code) {
+                errs.add(format!("retries.retry_on_status[{i}]"), code, "must be a 5xx status");
+            }
+        }
+        if self.budget_percent > 1000 {
+            errs.add("retries.budget_percent", self.budget_percent, "must be <= 1000");
+        }
     }
 }
 
@@ -393,10 +631,21 @@ pub struct HealthConfig {
 impl Default for HealthConfig {
     fn default() -> Self {
         HealthConfig {
-            consecutive_failures: 5,
-            ejection_ms: 10_000,
-            max_ejection_percent: 50,
+            consecutive_failures: DEFAULT_CONSECUTIVE_FAILURES,
+            ejection_ms: DEFAULT_EJECTION_MS,
+            max_ejection_percent: DEFAULT_MAX_EJECTION_PERCENT,
             max_inflight_per_backend: 0,
+        }
+    }
+}
+
+impl HealthConfig {
+    fn validate(&self, errs: &mut Errors) {
+        if self.consecutive_failures == 0 {
+            errs.add("health.consecutive_failures", 0, "must be >= 1");
+        }
+        if self.max_ejection_percent > 100 {
+            errs.add("health.max_ejection_percent", self.max_ejection_percent, "must be <= 100");
         }
     }
 }
@@ -416,7 +665,22 @@ pub struct DrainConfig {
 
 impl Default for DrainConfig {
     fn default() -> Self {
-        DrainConfig { grace_period_secs: 25, close_listeners_after_ms: 5000 }
+        DrainConfig {
+            grace_period_secs: DEFAULT_GRACE_PERIOD_SECS,
+            close_listeners_after_ms: DEFAULT_CLOSE_LISTENERS_AFTER_MS,
+        }
+    }
+}
+
+impl DrainConfig {
+    fn validate(&self, errs: &mut Errors) {
+        if self.close_listeners_after_ms > self.grace_period_secs * 1000 {
+            errs.add(
+                "drain.close_listeners_after_ms",
+                self.close_listeners_after_ms,
+                "must not be past drain.grace_period_secs",
+            );
+        }
     }
 }
 
@@ -455,7 +719,7 @@ impl GatewayConfig {
         Self::parse(&text)
     }
 
-    /// Parse and validate YAML text.
+    /// Parse YAML text, validate it and check the files it names.
     pub fn parse(text: &str) -> Result<Self, ConfigError> {
         let cfg: GatewayConfig = if text.trim().is_empty() {
             GatewayConfig::default()
@@ -463,174 +727,47 @@ impl GatewayConfig {
             serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?
         };
         cfg.validate()?;
+        cfg.check_files()?;
         Ok(cfg)
     }
 
-    /// Check every field; all problems at once.
+    /// Check every field (pure: no file is read); all problems at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let mut errs = Vec::new();
-        let mut bad =
-            |field: String, value: String, reason: &str| errs.push(FieldError { field, value, reason: reason.into() });
+        let mut errs = Errors::default();
         for (name, v) in [("listen", &self.listen), ("admin_listen", &self.admin_listen)] {
             if v.parse::<SocketAddr>().is_err() {
-                bad(name.into(), v.clone(), "must be IP:PORT");
+                errs.add(name, v, "must be IP:PORT");
             }
         }
-        if self.listen == self.admin_listen {
-            bad("admin_listen".into(), self.admin_listen.clone(), "must differ from listen");
+        if self.listen == self.admin_listen && !self.listen.ends_with(":0") {
+            errs.add("admin_listen", &self.admin_listen, "must differ from listen");
         }
-        let mut seen = std::collections::HashSet::new();
-        for (i, b) in self.discovery.static_backends.iter().enumerate() {
-            if let Err(reason) = parse_backend_url(&b.url) {
-                bad(format!("discovery.static[{i}].url"), b.url.clone(), &reason);
-            } else if !seen.insert(b.url.trim_end_matches('/')) {
-                bad(format!("discovery.static[{i}].url"), b.url.clone(), "listed twice");
-            }
-            if let Some(models) = &b.models {
-                if models.is_empty() || models.iter().any(|m| m.is_empty()) {
-                    bad(
-                        format!("discovery.static[{i}].models"),
-                        format!("{models:?}"),
-                        "must list non-empty model names",
-                    );
-                }
-            }
+        self.discovery.validate(&mut errs);
+        self.admission.validate(&mut errs);
+        self.scrape.validate(&mut errs);
+        if let Err((field, value, reason)) = self.policy.validate() {
+            errs.add(format!("policy.{field}"), value, reason);
         }
-        if let Some(k) = &self.discovery.kubernetes {
-            if k.namespace.is_empty() {
-                bad("discovery.kubernetes.namespace".into(), String::new(), "must name a namespace");
-            }
-            if k.service.is_some() == k.label_selector.is_some() {
-                bad(
-                    "discovery.kubernetes.service".into(),
-                    format!("{:?} / {:?}", k.service, k.label_selector),
-                    "give exactly one of service and label_selector",
-                );
-            }
-            if let Some(url) = &k.api_server {
-                if !(url.starts_with("http://") || url.starts_with("https://")) {
-                    bad("discovery.kubernetes.api_server".into(), url.clone(), "must be an http(s) URL");
-                }
-            }
-        }
-        if let Some(d) = &self.discovery.dns {
-            if d.name.is_empty() || d.name.contains(['/', ':', ' ']) {
-                bad("discovery.dns.name".into(), d.name.clone(), "must be a host name");
-            }
-            if d.port == 0 {
-                bad("discovery.dns.port".into(), "0".into(), "must be a port (1-65535)");
-            }
-            if !(100..=3_600_000).contains(&d.interval_ms) {
-                bad("discovery.dns.interval_ms".into(), d.interval_ms.to_string(), "must be in 100..=3600000");
-            }
-            if self.discovery.kubernetes.is_some() {
-                bad("discovery.dns".into(), d.name.clone(), "use either discovery.dns or discovery.kubernetes");
-            }
-        }
-        let a = &self.admission;
-        if a.max_wait_ms > 0 && a.max_queue == 0 {
-            bad("admission.max_queue".into(), "0".into(), "must be >= 1 when admission.max_wait_ms > 0");
-        }
-        if a.saturated_waiting.is_some_and(|t| !(t >= 0.0 && t.is_finite())) {
-            bad("admission.saturated_waiting".into(), format!("{:?}", a.saturated_waiting), "must be >= 0");
-        }
-        if a.saturated_kv_usage.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {
-            bad("admission.saturated_kv_usage".into(), format!("{:?}", a.saturated_kv_usage), "must be in (0, 1]");
-        }
-        if a.max_wait_ms > 3_600_000 {
-            bad("admission.max_wait_ms".into(), a.max_wait_ms.to_string(), "must be at most 3600000 (one hour)");
-        }
-        let s = &self.scrape;
-        if !(10..=60_000).contains(&s.interval_ms) {
-            bad("scrape.interval_ms".into(), s.interval_ms.to_string(), "must be in 10..=60000");
-        }
-        if s.timeout_ms == 0 {
-            bad("scrape.timeout_ms".into(), "0".into(), "must be > 0");
-        }
-        if s.stale_after_ms < s.interval_ms {
-            bad("scrape.stale_after_ms".into(), s.stale_after_ms.to_string(), "must be >= scrape.interval_ms");
-        }
-        if s.down_after_failures == 0 {
-            bad("scrape.down_after_failures".into(), "0".into(), "must be >= 1");
-        }
-        if let Err(e) = self.policy.validate() {
-            bad(format!("policy.{}", e.0), e.1, &e.2);
-        }
-        let p = &self.prefix_index;
-        if !(1..=65_536).contains(&p.block_bytes) {
-            bad("prefix_index.block_bytes".into(), p.block_bytes.to_string(), "must be in 1..=65536");
-        }
-        if p.max_bytes < 4096 {
-            bad("prefix_index.max_bytes".into(), p.max_bytes.to_string(), "must be >= 4096");
-        }
-        if !(p.bytes_per_token.is_finite() && p.bytes_per_token > 0.0) {
-            bad("prefix_index.bytes_per_token".into(), p.bytes_per_token.to_string(), "must be a number > 0");
-        }
-        if self.limits.max_body_bytes == 0 {
-            bad("limits.max_body_bytes".into(), "0".into(), "must be > 0");
-        }
-        if self.limits.max_header_bytes < 1024 {
-            bad("limits.max_header_bytes".into(), self.limits.max_header_bytes.to_string(), "must be >= 1024");
-        }
-        if !(8..=256).contains(&self.limits.max_headers) {
-            // pingora's parser stops at 256 fields.
-            bad("limits.max_headers".into(), self.limits.max_headers.to_string(), "must be in 8..=256");
-        }
-        let d = &self.drain;
-        if d.close_listeners_after_ms > d.grace_period_secs * 1000 {
-            bad(
-                "drain.close_listeners_after_ms".into(),
-                d.close_listeners_after_ms.to_string(),
-                "must not be past drain.grace_period_secs",
-            );
-        }
-        let t = &self.timeouts;
-        for (name, v) in [
-            ("timeouts.connect_ms", t.connect_ms),
-            ("timeouts.first_byte_ms", t.first_byte_ms),
-            ("timeouts.idle_ms", t.idle_ms),
-            ("limits.header_read_timeout_ms", self.limits.header_read_timeout_ms),
-            ("limits.body_read_timeout_ms", self.limits.body_read_timeout_ms),
-        ] {
-            if v == 0 {
-                bad(name.into(), "0".into(), "must be > 0");
-            }
-        }
-        if !(1..=10).contains(&self.retries.max_attempts) {
-            bad("retries.max_attempts".into(), self.retries.max_attempts.to_string(), "must be in 1..=10");
-        }
-        for (i, code) in self.retries.retry_on_status.iter().enumerate() {
-            if !(500..=599).contains(code) {
-                bad(format!("retries.retry_on_status[{i}]"), code.to_string(), "must be a 5xx status");
-            }
-        }
-        if self.retries.budget_percent > 1000 {
-            bad("retries.budget_percent".into(), self.retries.budget_percent.to_string(), "must be <= 1000");
-        }
-        if self.health.consecutive_failures == 0 {
-            bad("health.consecutive_failures".into(), "0".into(), "must be >= 1");
-        }
-        if self.health.max_ejection_percent > 100 {
-            bad("health.max_ejection_percent".into(), self.health.max_ejection_percent.to_string(), "must be <= 100");
-        }
+        self.prefix_index.validate(&mut errs);
+        self.limits.validate(&mut errs);
+        self.drain.validate(&mut errs);
+        self.timeouts.validate(&mut errs);
+        self.retries.validate(&mut errs);
+        self.health.validate(&mut errs);
         self.auth.validate(&mut errs);
+        errs.into_result()
+    }
+
+    /// Read the files (and the environment variable) the config names — TLS certificates
+    /// and keys, the upstream CA bundle, API key sources — and check what they hold.
+    pub fn check_files(&self) -> Result<(), ConfigError> {
+        let mut errs = Errors::default();
+        self.auth.check_files(&mut errs);
         if let Some(t) = &self.tls {
-            t.validate(&mut errs);
+            t.check_files(&mut errs);
         }
-        if let Some(ca) = &self.upstream_tls.ca_file {
-            if let Err(e) = std::fs::read(ca) {
-                errs.push(FieldError {
-                    field: "upstream_tls.ca_file".into(),
-                    value: ca.clone(),
-                    reason: e.to_string(),
-                });
-            }
-        }
-        if errs.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigError::Invalid(errs))
-        }
+        self.upstream_tls.check_files(&mut errs);
+        errs.into_result()
     }
 
     /// `listen` as an address (validated).

@@ -29,6 +29,41 @@ impl fmt::Display for FieldError {
     }
 }
 
+/// The field errors found while validating a configuration, in the order found.
+#[derive(Debug, Default)]
+pub struct Errors(Vec<FieldError>);
+
+impl Errors {
+    /// `field` (a dotted path) has `value`, which is wrong because of `reason`.
+    pub fn add(&mut self, field: impl Into<String>, value: impl ToString, reason: impl Into<String>) {
+        self.0.push(FieldError { field: field.into(), value: value.to_string(), reason: reason.into() });
+    }
+
+    /// Take over `other`'s errors.
+    pub fn append(&mut self, mut other: Errors) {
+        self.0.append(&mut other.0);
+    }
+
+    /// What was found.
+    pub fn list(&self) -> &[FieldError] {
+        &self.0
+    }
+
+    /// Whether nothing was found.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// `Ok` when nothing was found, else every error at once.
+    pub fn into_result(self) -> Result<(), ConfigError> {
+        if self.0.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid(self.0))
+        }
+    }
+}
+
 /// A configuration file could not be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {

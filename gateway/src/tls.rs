@@ -18,7 +18,7 @@ use pingora::tls::{ClientHello, CryptoProvider, PrivateKeyDer, ResolvesServerCer
 use rustls_pki_types::pem::PemObject;
 use serde::Deserialize;
 
-use crate::error::FieldError;
+use crate::error::Errors;
 
 /// `tls`: when present, `listen` speaks TLS.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -58,11 +58,11 @@ impl TlsConfig {
     }
 
     /// Field-level problems (the files are read and parsed).
-    pub fn validate(&self, errs: &mut Vec<FieldError>) {
+    pub fn check_files(&self, errs: &mut Errors) {
         for (i, pair) in self.pairs().iter().enumerate() {
             if let Err(reason) = read_pair(pair).and_then(|(cert, key)| parse_pair(&cert, &key)) {
                 let field = if i == 0 { "tls.cert_file".to_string() } else { format!("tls.certs[{}]", i - 1) };
-                errs.push(FieldError { field, value: pair.cert_file.clone(), reason });
+                errs.add(field, &pair.cert_file, reason);
             }
         }
     }

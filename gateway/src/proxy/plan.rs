@@ -124,7 +124,8 @@ mod tests {
     #[test]
     fn a_plan_names_model_priority_charge_and_prefix() {
         let a = active("");
-        let body = format!(r#"{{"messages":[{{"role":"user","content":"{}"}}],"max_tokens":10}}"#, "hello ".repeat(200));
+        let body =
+            format!(r#"{{"messages":[{{"role":"user","content":"{}"}}],"max_tokens":10}}"#, "hello ".repeat(200));
         let p = plan_request(&head(&[("x-priority", " 3 ")]), body.as_bytes(), &a, None).unwrap();
         assert_eq!((p.model.as_str(), p.stream, p.max_tokens, p.priority), ("m", false, Some(10), 3));
         assert_eq!(p.charge, p.prompt_charge + 10);

@@ -55,75 +55,47 @@ fn response_head(upstream: &ResponseHeader) -> Option<(ResponseHeader, bool, boo
     Some((resp, has_length, is_sse))
 }
 
+/// Where a response stands between the head and the end of the body.
+struct Streaming {
+    up: HttpSession,
+    buf: BytesMut,
+    next: pingora::Result<Body>,
+    is_sse: bool,
+}
+
 impl ProxyApp {
     /// Stream `up`'s response (header already read) from backend `index` to the client;
     /// true when the client connection may be reused.
     pub(super) async fn stream(
         &self,
         s: &mut ServerSession,
-        mut up: HttpSession,
+        up: HttpSession,
         active: &Active,
         index: usize,
         ctx: &mut RequestCtx,
         inflight: &mut InflightGuard<'_>,
     ) -> bool {
-        let Some(upstream) = up.resp_header() else { return false };
-        ctx.status = upstream.status.as_u16();
-        if ctx.status >= 500 {
-            let detail = format!("status {}", ctx.status);
-            self.upstream_failed(active, Some(index), UpstreamErrorKind::Status5xx, &detail);
-        } else {
-            active.cluster.backends[index].record_success();
-        }
-        let Some((mut resp, has_length, is_sse)) = response_head(upstream) else { return false };
-        // What the engine has sent already, taken without waiting. When that is the whole
-        // body (a short or non-streamed answer), the response leaves with a Content-Length:
-        // pingora then holds the header until the body is written and both go out in one
-        // write. Otherwise it is chunked and pingora flushes the header at once.
-        let mut buf = BytesMut::with_capacity(4096);
-        let mut next = take_ready(&mut up, &mut buf, &mut ctx.chunks);
-        if !has_length && matches!(next, Ok(Body::Ended)) {
-            let _ = resp.insert_header("content-length", buf.len().to_string());
-        } else if !has_length && !s.is_http2() {
-            let _ = resp.insert_header("transfer-encoding", "chunked");
-        }
-        if s.write_response_header(Box::new(resp)).await.is_err() {
-            ctx.client_gone();
-            return false;
-        }
-        up.read_timeout = Some(active.config.timeouts.idle());
+        let Some(mut st) = self.send_head(s, up, active, index, ctx).await else { return false };
+        st.up.read_timeout = Some(active.config.timeouts.idle());
+        let backend = &active.cluster.backends[index];
         loop {
-            let end = matches!(next, Ok(Body::Ended));
-            let backend = &active.cluster.backends[index];
-            if (!buf.is_empty() || end) && !self.forward(s, &mut buf, end, backend, ctx, inflight).await {
+            let end = matches!(st.next, Ok(Body::Ended));
+            if (!st.buf.is_empty() || end) && !self.forward(s, &mut st.buf, end, backend, ctx, inflight).await {
                 return false;
             }
-            match next {
+            match st.next {
                 Ok(Body::More) => {}
                 Ok(Body::Ended) => {
-                    self.release(up, active, index);
+                    self.release(st.up, active, index);
                     return true;
                 }
-                Err(e) => {
-                    let kind = if e.etype() == &pingora::ErrorType::ReadTimedout {
-                        UpstreamErrorKind::IdleTimeout
-                    } else {
-                        UpstreamErrorKind::StreamBroken
-                    };
-                    self.upstream_failed(active, Some(index), kind, &e);
-                    ctx.error_kind = Some(kind.label());
-                    if is_sse {
-                        let _ = s.write_response_body(ProxyError::StreamBroken(kind).sse_event().into(), true).await;
-                    }
-                    s.set_keepalive(None);
-                    return false;
-                }
+                Err(e) => return self.broken(s, &e, st.is_sse, active, index, ctx).await,
             }
             let read = tokio::select! {
-                r = up.read_body_ref() => r.map(|chunk| match chunk {
+                r = st.up.read_body_ref() => r.map(|chunk| match chunk {
                     Some(chunk) => {
                         ctx.chunks += 1;
-                        buf.extend_from_slice(chunk);
+                        st.buf.extend_from_slice(chunk);
                         Body::More
                     }
                     None => Body::Ended,
@@ -134,11 +106,74 @@ impl ProxyApp {
                     return false;
                 }
             };
-            next = match read {
-                Ok(Body::More) => take_ready(&mut up, &mut buf, &mut ctx.chunks),
+            st.next = match read {
+                Ok(Body::More) => take_ready(&mut st.up, &mut st.buf, &mut ctx.chunks),
                 other => other,
             };
         }
+    }
+
+    /// Count the engine's status (a 5xx is a failure of the backend), and send the
+    /// client-bound head with what of the body has already arrived; `None` when the
+    /// client is gone or the head cannot be built.
+    async fn send_head(
+        &self,
+        s: &mut ServerSession,
+        mut up: HttpSession,
+        active: &Active,
+        index: usize,
+        ctx: &mut RequestCtx,
+    ) -> Option<Streaming> {
+        let upstream = up.resp_header()?;
+        ctx.status = upstream.status.as_u16();
+        if ctx.status >= 500 {
+            let detail = format!("status {}", ctx.status);
+            self.upstream_failed(active, Some(index), UpstreamErrorKind::Status5xx, &detail);
+        } else {
+            active.cluster.backends[index].record_success();
+        }
+        let (mut resp, has_length, is_sse) = response_head(upstream)?;
+        // What the engine has sent already, taken without waiting. When that is the whole
+        // body (a short or non-streamed answer), the response leaves with a Content-Length:
+        // pingora then holds the header until the body is written and both go out in one
+        // write. Otherwise it is chunked and pingora flushes the header at once.
+        let mut buf = BytesMut::with_capacity(4096);
+        let next = take_ready(&mut up, &mut buf, &mut ctx.chunks);
+        if !has_length && matches!(next, Ok(Body::Ended)) {
+            let _ = resp.insert_header("content-length", buf.len().to_string());
+        } else if !has_length && !s.is_http2() {
+            let _ = resp.insert_header("transfer-encoding", "chunked");
+        }
+        if s.write_response_header(Box::new(resp)).await.is_err() {
+            ctx.client_gone();
+            return None;
+        }
+        Some(Streaming { up, buf, next, is_sse })
+    }
+
+    /// The engine failed mid-response: count it, and end an SSE stream with the OpenAI
+    /// error event instead of a silent truncation. The connection is not reusable.
+    async fn broken(
+        &self,
+        s: &mut ServerSession,
+        e: &pingora::Error,
+        is_sse: bool,
+        active: &Active,
+        index: usize,
+        ctx: &mut RequestCtx,
+    ) -> bool {
+        let kind = if e.etype() == &pingora::ErrorType::ReadTimedout {
+            UpstreamErrorKind::IdleTimeout
+        } else {
+            UpstreamErrorKind::StreamBroken
+        };
+        self.upstream_failed(active, Some(index), kind, e);
+        ctx.error_kind = Some(kind.label());
+        if is_sse {
+            let _ = s.write_response_body(ProxyError::StreamBroken(kind).sse_event().into(), true).await;
+        }
+        s.set_keepalive(None);
+        false
     }
 
     /// Write what `buf` holds to the client (the first bytes are the TTFT); false when the
