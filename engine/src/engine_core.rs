@@ -13,14 +13,14 @@ use crate::backend::{Backend, BackendFailure};
 use crate::config::{BackendKind, EngineConfig};
 use crate::kv::BlockPool;
 use crate::model::llama::KvStore;
-use crate::scheduler::{Event, Scheduler};
+use crate::scheduler::{Scheduler, TokenOutput};
 use crate::tokenizer::{SimTokenizer, Tokenizer};
 
 /// What one step did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepResult {
-    /// Tokens and completions to deliver.
-    pub events: Vec<Event>,
+    /// New tokens, and the requests that ended in token space (for the output processor).
+    pub outputs: Vec<TokenOutput>,
     /// Modelled step time (sim backends).
     pub model_time: Option<Duration>,
     /// Tokens computed.
@@ -61,7 +61,7 @@ impl EngineCore {
         backend: Box<dyn Backend>,
     ) -> (EngineConfig, Self, Arc<dyn Tokenizer>) {
         let pool = BlockPool::new(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching);
-        let scheduler = Scheduler::new(cfg.scheduler, pool, tokenizer.clone());
+        let scheduler = Scheduler::new(cfg.scheduler, pool, tokenizer.eos_token_id());
         (cfg, EngineCore::new(scheduler, backend), tokenizer)
     }
 
@@ -76,9 +76,9 @@ impl EngineCore {
             let batch = self.scheduler.batch(&plan);
             self.backend.execute(&batch)?
         };
-        let events = self.scheduler.apply(&plan, out.sampled);
+        let outputs = self.scheduler.apply(&plan, out.sampled);
         Ok(Some(StepResult {
-            events,
+            outputs,
             model_time: out.model_time,
             num_batched_tokens: plan.num_batched_tokens(),
             num_preempted: plan.preempted.len(),

@@ -6,9 +6,10 @@
 //! run against it. Backends plug in under one scheduler and one block pool:
 //! `sim` models a GPU's step times (an 8-pod H100 cluster runs on a laptop).
 //!
-//! Layout: [`kv`] (block pool, pure) → [`scheduler`] (step planning, pure) →
-//! [`backend`] (executes a step) → [`engine_core`] (the three together, stepped by a caller) →
-//! [`runtime`] (the thread that paces the core) → [`server`] (HTTP).
+//! Layout: [`kv`] (block pool and the KV cache manager, pure) → [`scheduler`] (step planning
+//! in token space, pure) → [`backend`] (executes a step) → [`engine_core`] (the three
+//! together, stepped by a caller) → [`runtime`] (the thread that paces the core and, through
+//! the [`output_processor`], turns tokens into text) → [`server`] (HTTP).
 
 pub mod backend;
 pub mod config;
@@ -17,6 +18,7 @@ pub mod error;
 pub mod kv;
 pub mod metrics;
 pub mod model;
+pub mod output_processor;
 pub mod runtime;
 pub mod scheduler;
 pub mod server;
@@ -51,7 +53,8 @@ pub fn build(cfg: &EngineConfig) -> anyhow::Result<Engine> {
     let cfg = &cfg;
     let registry = prometheus::Registry::new();
     let metrics = metrics::EngineMetrics::new(&registry, &cfg.served_model_name, cfg.block_size, cfg.num_blocks)?;
-    let (handle, thread, failed) = runtime::spawn(core, metrics);
+    let output = output_processor::OutputProcessor::new(tokenizer.clone());
+    let (handle, thread, failed) = runtime::spawn(core, output, metrics);
     let limits = server::openai::Limits {
         max_model_len: cfg.scheduler.max_model_len,
         kv_capacity_tokens: cfg.kv_capacity_tokens(),

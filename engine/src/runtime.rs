@@ -1,4 +1,5 @@
-//! The runtime: a dedicated thread that owns the [`EngineCore`] and paces it.
+//! The runtime: a dedicated thread that owns the [`EngineCore`] and the [`OutputProcessor`],
+//! and paces the core.
 //!
 //! HTTP handlers talk to it through an [`EngineHandle`]: `submit` queues a tokenized
 //! request and returns a [`RequestStream`] of [`Event`]s. Dropping the stream before the
@@ -7,8 +8,9 @@
 //!
 //! Loop: drain commands (block when idle) → step → for a simulated backend, sleep until
 //! `step start + modelled step time` (a plain OS thread sleeps with ~0.1 ms precision,
-//! tokio's timer has 1 ms granularity, too coarse for 7 ms steps) → publish gauges →
-//! deliver events and record TTFT / ITL / e2e.
+//! tokio's timer has 1 ms granularity, too coarse for 7 ms steps) → turn the step's tokens
+//! into text events, aborting in the scheduler the requests a stop string ended → publish
+//! gauges → deliver events and record TTFT / ITL / e2e.
 
 use std::collections::HashMap;
 use std::sync::mpsc;
@@ -22,7 +24,8 @@ use crate::backend::BackendFailure;
 
 use crate::engine_core::EngineCore;
 use crate::metrics::EngineMetrics;
-use crate::scheduler::{Event, Request, RequestId, SamplingParams};
+use crate::output_processor::{Event, OutputProcessor};
+use crate::scheduler::{Request, RequestId, SamplingParams};
 use crate::tokenizer::TokenId;
 
 enum Command {
@@ -95,6 +98,7 @@ struct Sink {
 /// every open request ends with an error and the server should report unhealthy and exit.
 pub fn spawn(
     core: EngineCore,
+    output: OutputProcessor,
     metrics: EngineMetrics,
 ) -> (EngineHandle, thread::JoinHandle<()>, watch::Receiver<Option<String>>) {
     let (tx, rx) = mpsc::channel();
@@ -102,7 +106,7 @@ pub fn spawn(
     let join = thread::Builder::new()
         .name("engine-core".into())
         .spawn(move || {
-            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(core, metrics, rx)));
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(core, output, metrics, rx)));
             let reason = match outcome {
                 Ok(Ok(())) => return,
                 Ok(Err(e)) => e.to_string(),
@@ -117,25 +121,37 @@ pub fn spawn(
     (EngineHandle { tx }, join, failed)
 }
 
-fn run(mut core: EngineCore, mut metrics: EngineMetrics, rx: mpsc::Receiver<Command>) -> Result<(), BackendFailure> {
-    let mut sinks: HashMap<RequestId, Sink> = HashMap::new();
+/// What the engine thread owns besides the core.
+struct Shell {
+    output: OutputProcessor,
+    sinks: HashMap<RequestId, Sink>,
+    metrics: EngineMetrics,
+}
+
+fn run(
+    mut core: EngineCore,
+    output: OutputProcessor,
+    metrics: EngineMetrics,
+    rx: mpsc::Receiver<Command>,
+) -> Result<(), BackendFailure> {
+    let mut shell = Shell { output, sinks: HashMap::new(), metrics };
     loop {
         if core.scheduler.is_idle() {
-            publish(&core, &mut metrics);
+            publish(&core, &mut shell.metrics);
             match rx.recv() {
-                Ok(cmd) => handle(cmd, &mut core, &mut sinks, &metrics),
+                Ok(cmd) => shell.handle(cmd, &mut core),
                 Err(_) => return Ok(()),
             }
         }
         while let Ok(cmd) = rx.try_recv() {
-            handle(cmd, &mut core, &mut sinks, &metrics);
+            shell.handle(cmd, &mut core);
         }
         let started = Instant::now();
         // A failed backend drops every sink on the way out: streams end with an error.
         let Some(step) = core.step()? else {
             // Requests exist but none can be scheduled: wait for a command rather than spin.
             if let Ok(cmd) = rx.recv_timeout(Duration::from_millis(1)) {
-                handle(cmd, &mut core, &mut sinks, &metrics);
+                shell.handle(cmd, &mut core);
             }
             continue;
         };
@@ -146,52 +162,62 @@ fn run(mut core: EngineCore, mut metrics: EngineMetrics, rx: mpsc::Receiver<Comm
                 thread::sleep(deadline - now);
             }
         }
+        let processed = shell.output.process(step.outputs);
+        // A stop string ended these: free their blocks before the gauges and the next step.
+        for id in processed.stopped {
+            core.scheduler.abort(id);
+        }
         // Publish first, so a client that sees a token also sees the state that made it.
-        publish(&core, &mut metrics);
+        publish(&core, &mut shell.metrics);
         let now = Instant::now();
-        for ev in step.events {
-            deliver(ev, now, &mut sinks, &metrics);
+        for ev in processed.events {
+            shell.deliver(ev, now);
         }
     }
 }
 
-fn handle(cmd: Command, core: &mut EngineCore, sinks: &mut HashMap<RequestId, Sink>, metrics: &EngineMetrics) {
-    match cmd {
-        Command::Add { req, arrival, events } => {
-            sinks.insert(req.id, Sink { events, arrival, last_token: None });
-            core.scheduler.add(*req);
-        }
-        Command::Abort(id) => {
-            if core.scheduler.abort(id) {
-                metrics.finished(crate::scheduler::FinishReason::Abort);
+impl Shell {
+    fn handle(&mut self, cmd: Command, core: &mut EngineCore) {
+        match cmd {
+            Command::Add { req, arrival, events } => {
+                self.sinks.insert(req.id, Sink { events, arrival, last_token: None });
+                self.output.add(req.id, &req.params);
+                core.scheduler.add(*req);
             }
+            Command::Abort(id) => {
+                if core.scheduler.abort(id) {
+                    self.metrics.finished(crate::scheduler::FinishReason::Abort);
+                }
+                self.output.abort(id);
+                self.sinks.remove(&id);
+            }
+        }
+    }
+
+    fn deliver(&mut self, ev: Event, now: Instant) {
+        let (sinks, metrics) = (&mut self.sinks, &self.metrics);
+        let id = match &ev {
+            Event::Token { id, .. } | Event::Finished { id, .. } => *id,
+        };
+        let finished = match &ev {
+            Event::Finished { reason, .. } => Some(*reason),
+            Event::Token { .. } => None,
+        };
+        let Some(sink) = sinks.get_mut(&id) else { return };
+        match sink.last_token {
+            None => metrics.ttft.observe((now - sink.arrival).as_secs_f64()),
+            Some(last) => metrics.itl.observe((now - last).as_secs_f64()),
+        }
+        sink.last_token = Some(now);
+        if let Some(reason) = finished {
+            metrics.e2e.observe((now - sink.arrival).as_secs_f64());
+            metrics.finished(reason);
+        }
+        // A closed receiver means the client is gone; its abort is already on the way.
+        let _ = sink.events.send(ev);
+        if finished.is_some() {
             sinks.remove(&id);
         }
-    }
-}
-
-fn deliver(ev: Event, now: Instant, sinks: &mut HashMap<RequestId, Sink>, metrics: &EngineMetrics) {
-    let id = match &ev {
-        Event::Token { id, .. } | Event::Finished { id, .. } => *id,
-    };
-    let finished = match &ev {
-        Event::Finished { reason, .. } => Some(*reason),
-        Event::Token { .. } => None,
-    };
-    let Some(sink) = sinks.get_mut(&id) else { return };
-    match sink.last_token {
-        None => metrics.ttft.observe((now - sink.arrival).as_secs_f64()),
-        Some(last) => metrics.itl.observe((now - last).as_secs_f64()),
-    }
-    sink.last_token = Some(now);
-    if let Some(reason) = finished {
-        metrics.e2e.observe((now - sink.arrival).as_secs_f64());
-        metrics.finished(reason);
-    }
-    // A closed receiver means the client is gone; its abort is already on the way.
-    let _ = sink.events.send(ev);
-    if finished.is_some() {
-        sinks.remove(&id);
     }
 }
 

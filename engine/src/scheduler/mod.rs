@@ -2,7 +2,10 @@
 //!
 //! The scheduler is pure: it owns the waiting and running queues and, through the
 //! [`KvCacheManager`], the KV blocks; it plans one step at a time and applies the step's
-//! sampled tokens. It has no clock, no channels and no threads; the runtime around it
+//! sampled tokens. It decides in token space only — `max_tokens`, the context length, EOS
+//! and stop token ids; text and stop strings are the
+//! [output processor's](crate::output_processor), which aborts a request here when a stop
+//! string ends it. It has no clock, no channels and no threads; the runtime around it
 //! ([`crate::runtime`]) does the I/O.
 //!
 //! ## One step ([`Scheduler::schedule`]), vLLM V1's unified policy
@@ -21,7 +24,8 @@
 //!    fit stops admission.
 //!
 //! [`Scheduler::apply`] then advances every scheduled request, caches its newly full
-//! blocks, appends sampled tokens, checks stop conditions and frees finished requests.
+//! blocks, appends sampled tokens, checks the token-space stop conditions and frees finished
+//! requests.
 //! Blocks are the manager's: the scheduler asks it for prefix hits
 //! ([`KvCacheManager::get_computed_blocks`]), slots ([`KvCacheManager::allocate_slots`]) and
 //! to cache and free blocks, and never touches reference counts or hashes.
@@ -34,12 +38,11 @@
 pub mod request;
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
 
-pub use request::{FinishReason, OutputText, Request, RequestId, SamplingParams};
+pub use request::{FinishReason, Request, RequestId, SamplingParams};
 
 use crate::kv::{BlockPool, ComputedBlocks, KvCacheManager};
-use crate::tokenizer::{TokenId, Tokenizer};
+use crate::tokenizer::TokenId;
 
 /// Scheduler limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,35 +129,25 @@ pub struct TokenLogprobs {
     pub top: Vec<(TokenId, f32)>,
 }
 
-/// Something the runtime must tell a client.
+/// A request's new token after a step, in token space (the
+/// [output processor](crate::output_processor) turns it into text).
 #[derive(Debug, Clone, PartialEq)]
-pub enum Event {
-    /// New output of a request (text may be empty while held back).
-    Token {
-        /// Which request.
-        id: RequestId,
-        /// New text.
-        text: String,
-        /// The token's log probabilities, when asked for.
-        logprobs: Option<TokenLogprobs>,
-    },
-    /// The request ended; no further events follow.
-    Finished {
-        /// Which request.
-        id: RequestId,
-        /// Remaining text.
-        text: String,
-        /// Why.
-        reason: FinishReason,
-        /// Prompt tokens.
-        prompt_tokens: usize,
-        /// Generated tokens.
-        completion_tokens: usize,
-        /// Prompt tokens that were served from the prefix cache.
-        cached_tokens: usize,
-        /// The last token's log probabilities, when asked for.
-        logprobs: Option<TokenLogprobs>,
-    },
+pub struct TokenOutput {
+    /// Which request.
+    pub id: RequestId,
+    /// The token.
+    pub token: TokenId,
+    /// Its log probabilities, when asked for.
+    pub logprobs: Option<TokenLogprobs>,
+    /// Set when the scheduler ended the request with this token — EOS or a stop token id
+    /// (`Stop`), `max_tokens` or the context length (`Length`); its blocks are free already.
+    pub finished: Option<FinishReason>,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens generated so far, this one included.
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache at its (last) admission.
+    pub cached_tokens: usize,
 }
 
 /// Monotonic counters kept by the scheduler (exported as vLLM metrics by the runtime).
@@ -176,7 +169,7 @@ pub struct SchedulerStats {
 pub struct Scheduler {
     cfg: SchedulerConfig,
     kv: KvCacheManager,
-    tokenizer: Arc<dyn Tokenizer>,
+    eos: TokenId,
     requests: HashMap<RequestId, Request>,
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
@@ -184,12 +177,12 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// A scheduler over `pool`.
-    pub fn new(cfg: SchedulerConfig, pool: BlockPool, tokenizer: Arc<dyn Tokenizer>) -> Self {
+    /// A scheduler over `pool`, for a model whose end-of-sequence token is `eos`.
+    pub fn new(cfg: SchedulerConfig, pool: BlockPool, eos: TokenId) -> Self {
         Scheduler {
             cfg,
             kv: KvCacheManager::new(pool),
-            tokenizer,
+            eos,
             requests: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -204,7 +197,8 @@ impl Scheduler {
         self.requests.insert(req.id, req);
     }
 
-    /// Remove a request wherever it is and free its blocks. Returns whether it existed.
+    /// Remove a request wherever it is and free its blocks (the client went away, or the
+    /// output processor saw a stop string). Returns whether it existed.
     pub fn abort(&mut self, id: RequestId) -> bool {
         if self.requests.remove(&id).is_none() {
             return false;
@@ -362,42 +356,40 @@ impl Scheduler {
     }
 
     /// Apply a computed step: advance progress, cache full blocks, append `sampled`
-    /// tokens (one per scheduled request with `sample`), finish what is done.
-    pub fn apply(&mut self, plan: &StepPlan, sampled: Vec<Sampled>) -> Vec<Event> {
+    /// tokens (one per scheduled request with `sample`), finish what is done in token space.
+    pub fn apply(&mut self, plan: &StepPlan, sampled: Vec<Sampled>) -> Vec<TokenOutput> {
         for s in &plan.seqs {
             let Some(req) = self.requests.get_mut(&s.id) else { continue };
             req.num_computed_tokens = s.start + s.len;
             self.kv.cache_full_blocks(s.id, &req.tokens, req.num_computed_tokens);
         }
-        let mut events = Vec::with_capacity(sampled.len());
+        let mut outputs = Vec::with_capacity(sampled.len());
         for Sampled { id, token, logprobs } in sampled {
             let Some(req) = self.requests.get_mut(&id) else { continue };
             if req.num_output_tokens() == 0 {
                 self.stats.prompt_tokens += req.num_prompt_tokens as u64;
             }
             self.stats.generation_tokens += 1;
-            let finish = req.append_token(token, self.tokenizer.as_ref(), self.cfg.max_model_len);
-            let text = req.output.take_delta(&req.params.stop, finish.is_some());
-            match finish {
-                None => events.push(Event::Token { id, text, logprobs }),
-                Some(reason) => {
-                    let req = self.requests.remove(&id).expect("exists");
-                    self.kv.free(id);
-                    self.kv.free_block_hashes(id);
-                    self.running.retain(|&r| r != id);
-                    events.push(Event::Finished {
-                        id,
-                        text,
-                        reason,
-                        prompt_tokens: req.num_prompt_tokens,
-                        completion_tokens: req.num_output_tokens(),
-                        cached_tokens: req.num_cached_tokens,
-                        logprobs,
-                    });
-                }
+            let finished = req.append_token(token, self.eos, self.cfg.max_model_len);
+            let (prompt_tokens, completion_tokens) = (req.num_prompt_tokens, req.num_output_tokens());
+            let cached_tokens = req.num_cached_tokens;
+            if finished.is_some() {
+                self.requests.remove(&id);
+                self.kv.free(id);
+                self.kv.free_block_hashes(id);
+                self.running.retain(|&r| r != id);
             }
+            outputs.push(TokenOutput {
+                id,
+                token,
+                logprobs,
+                finished,
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens,
+            });
         }
-        events
+        outputs
     }
 }
 

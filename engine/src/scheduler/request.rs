@@ -1,12 +1,9 @@
-//! A request's life inside the engine: its tokens, progress and the incremental text it has
-//! produced, with stop-condition checks. Its KV blocks are the
-//! [`KvCacheManager`](crate::kv::KvCacheManager)'s.
-//!
-//! Text is produced incrementally the way vLLM and TGI do it: decode a short window of
-//! recent tokens and emit only what is new, holding back output that ends in a broken
-//! UTF-8 sequence (U+FFFD) or that could still become the start of a stop string.
+//! A request's life inside the scheduler: its tokens and progress, with the stop conditions
+//! of token space (EOS, stop token ids, `max_tokens`, the context length). Its KV blocks are
+//! the [`KvCacheManager`](crate::kv::KvCacheManager)'s; its text and stop strings the
+//! [output processor's](crate::output_processor).
 
-use crate::tokenizer::{TokenId, Tokenizer};
+use crate::tokenizer::TokenId;
 
 /// Engine-wide request id.
 pub type RequestId = u64;
@@ -20,7 +17,7 @@ pub struct SamplingParams {
     pub min_tokens: usize,
     /// Keep generating past EOS.
     pub ignore_eos: bool,
-    /// Stop strings; the output is cut before the first one.
+    /// Stop strings; the output is cut before the first one (by the output processor).
     pub stop: Vec<String>,
     /// Extra token ids that end the request.
     pub stop_token_ids: Vec<TokenId>,
@@ -89,81 +86,6 @@ impl FinishReason {
     }
 }
 
-/// Incremental detokenizer with stop-string hold-back.
-#[derive(Debug, Clone, Default)]
-pub struct OutputText {
-    text: String,
-    emitted: usize,
-    prefix_offset: usize,
-    read_offset: usize,
-}
-
-impl OutputText {
-    /// Everything decoded so far (after any stop-string cut).
-    pub fn text(&self) -> &str {
-        &self.text
-    }
-
-    /// Decode the newest token of `output` and append its text.
-    pub fn push_token(&mut self, tokenizer: &dyn Tokenizer, output: &[TokenId]) {
-        let prefix = tokenizer.decode(&output[self.prefix_offset..self.read_offset]);
-        let full = tokenizer.decode(&output[self.prefix_offset..]);
-        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') {
-            if let Some(new) = full.get(prefix.len()..) {
-                self.text.push_str(new);
-                self.prefix_offset = self.read_offset;
-                self.read_offset = output.len();
-            }
-        }
-    }
-
-    /// Look for a stop string in the text not yet emitted (and the few bytes before it
-    /// that a stop string could straddle); cut the text there. True when one was found.
-    pub fn apply_stop(&mut self, stop: &[String]) -> bool {
-        let longest = stop.iter().map(String::len).max().unwrap_or(0);
-        if longest == 0 {
-            return false;
-        }
-        let mut from = self.emitted.saturating_sub(longest);
-        while !self.text.is_char_boundary(from) {
-            from -= 1;
-        }
-        let cut = stop
-            .iter()
-            .filter(|s| !s.is_empty())
-            .filter_map(|s| self.text[from..].find(s.as_str()).map(|p| from + p))
-            .min();
-        match cut {
-            Some(c) => {
-                self.text.truncate(c.max(self.emitted));
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// The next piece of text to send. Unless `finished`, text that could be the start
-    /// of a stop string is held back.
-    pub fn take_delta(&mut self, stop: &[String], finished: bool) -> String {
-        let mut end = self.text.len();
-        if !finished {
-            for s in stop {
-                // longest suffix of text that is a proper prefix of s
-                for k in (1..s.len()).rev() {
-                    if self.text.len() >= k && s.is_char_boundary(k) && self.text.ends_with(&s[..k]) {
-                        end = end.min(self.text.len() - k);
-                        break;
-                    }
-                }
-            }
-        }
-        let end = end.max(self.emitted);
-        let delta = self.text[self.emitted..end].to_string();
-        self.emitted = end;
-        delta
-    }
-}
-
 /// One request as the scheduler sees it.
 #[derive(Debug, Clone)]
 pub struct Request {
@@ -177,8 +99,6 @@ pub struct Request {
     pub num_computed_tokens: usize,
     /// Sampling parameters.
     pub params: SamplingParams,
-    /// Decoded output.
-    pub output: OutputText,
     /// Number of times it was preempted.
     pub num_preemptions: u32,
     /// Prompt tokens served from the prefix cache at its (last) admission.
@@ -194,7 +114,6 @@ impl Request {
             tokens: prompt,
             num_computed_tokens: 0,
             params,
-            output: OutputText::default(),
             num_preemptions: 0,
             num_cached_tokens: 0,
         }
@@ -215,23 +134,15 @@ impl Request {
         !self.params.ignore_eos && self.num_output_tokens() >= self.params.min_tokens
     }
 
-    /// Append a sampled token, update the text and say whether the request is done.
-    pub fn append_token(
-        &mut self,
-        token: TokenId,
-        tokenizer: &dyn Tokenizer,
-        max_model_len: usize,
-    ) -> Option<FinishReason> {
+    /// Append a sampled token and say whether the request is done in token space: EOS or a
+    /// stop token id (after `min_tokens`; EOS unless `ignore_eos`) is `Stop`, `max_tokens` or
+    /// `max_model_len` is `Length`. (Stop strings are the output processor's.)
+    pub fn append_token(&mut self, token: TokenId, eos: TokenId, max_model_len: usize) -> Option<FinishReason> {
         self.tokens.push(token);
         let n_out = self.num_output_tokens();
         let past_min = n_out >= self.params.min_tokens;
-        let is_eos = token == tokenizer.eos_token_id() && !self.params.ignore_eos;
+        let is_eos = token == eos && !self.params.ignore_eos;
         if past_min && (is_eos || self.params.stop_token_ids.contains(&token)) {
-            return Some(FinishReason::Stop);
-        }
-        let start = self.num_prompt_tokens;
-        self.output.push_token(tokenizer, &self.tokens[start..]);
-        if past_min && self.output.apply_stop(&self.params.stop) {
             return Some(FinishReason::Stop);
         }
         if n_out >= self.params.max_tokens || self.tokens.len() >= max_model_len {
@@ -246,51 +157,28 @@ mod tests {
     use super::*;
     use crate::tokenizer::SimTokenizer;
 
-    fn run(words: &[u64], stop: &[&str]) -> (Vec<String>, Option<FinishReason>) {
-        let t = SimTokenizer::new();
-        let params = SamplingParams {
-            max_tokens: 100,
-            stop: stop.iter().map(|s| s.to_string()).collect(),
-            ..Default::default()
-        };
-        let mut r = Request::new(1, vec![70000, 70001], params);
-        let mut deltas = Vec::new();
-        for &w in words {
-            let fin = r.append_token(t.word_token(w), &t, 1000);
-            deltas.push(r.output.take_delta(&r.params.stop, fin.is_some()));
-            if fin.is_some() {
-                return (deltas, fin);
-            }
-        }
-        (deltas, None)
-    }
-
-    #[test]
-    fn stop_string_cuts_output_and_holds_back_partial_matches() {
-        // words 0,1,2 = " the", " of", " and"
-        let (deltas, fin) = run(&[0, 1, 2, 0], &[" of and"]);
-        assert_eq!(fin, Some(FinishReason::Stop));
-        // " of" is held back (it could start " of and"), then the stop string cuts it off
-        assert_eq!(deltas, vec![" the".to_string(), String::new(), String::new()]);
-    }
-
-    #[test]
-    fn held_back_text_is_released_when_the_stop_does_not_match() {
-        let (deltas, fin) = run(&[0, 1, 0], &[" of and"]);
-        assert_eq!(fin, None);
-        assert_eq!(deltas.concat(), " the of the");
-        assert_eq!(deltas[1], "");
-    }
-
     #[test]
     fn max_tokens_and_min_tokens() {
         let t = SimTokenizer::new();
+        let eos = SimTokenizer::EOS;
         let p = SamplingParams { max_tokens: 3, min_tokens: 2, ..Default::default() };
         let mut r = Request::new(1, vec![9], p);
-        assert_eq!(r.append_token(SimTokenizer::EOS, &t, 100), None, "EOS before min_tokens is ignored");
-        assert_eq!(r.append_token(t.word_token(0), &t, 100), None);
-        assert_eq!(r.append_token(t.word_token(0), &t, 100), Some(FinishReason::Length));
+        assert_eq!(r.append_token(SimTokenizer::EOS, eos, 100), None, "EOS before min_tokens is ignored");
+        assert_eq!(r.append_token(t.word_token(0), eos, 100), None);
+        assert_eq!(r.append_token(t.word_token(0), eos, 100), Some(FinishReason::Length));
         let mut r = Request::new(2, vec![9; 4], SamplingParams { max_tokens: 10, ..Default::default() });
-        assert_eq!(r.append_token(t.word_token(0), &t, 5), Some(FinishReason::Length), "max_model_len");
+        assert_eq!(r.append_token(t.word_token(0), eos, 5), Some(FinishReason::Length), "max_model_len");
+    }
+
+    #[test]
+    fn eos_and_stop_token_ids_stop_after_min_tokens() {
+        let eos = SimTokenizer::EOS;
+        let p = SamplingParams { max_tokens: 10, stop_token_ids: vec![7], ..Default::default() };
+        let mut r = Request::new(1, vec![9], p.clone());
+        assert_eq!(r.append_token(7, eos, 100), Some(FinishReason::Stop));
+        let mut r = Request::new(2, vec![9], p.clone());
+        assert_eq!(r.append_token(eos, eos, 100), Some(FinishReason::Stop));
+        let mut r = Request::new(3, vec![9], SamplingParams { ignore_eos: true, ..p });
+        assert_eq!(r.append_token(eos, eos, 100), None, "ignore_eos");
     }
 }

@@ -1,14 +1,12 @@
 //! Scheduler planning tests on hand-built states with exact expected plans.
 
-use std::sync::Arc;
-
 use super::*;
 use crate::kv::BlockPool;
 use crate::tokenizer::SimTokenizer;
 
 fn sched(num_blocks: usize, budget: usize, max_seqs: usize) -> Scheduler {
     let cfg = SchedulerConfig { max_num_batched_tokens: budget, max_num_seqs: max_seqs, max_model_len: 10_000 };
-    Scheduler::new(cfg, BlockPool::new(num_blocks, 4, true), Arc::new(SimTokenizer::new()))
+    Scheduler::new(cfg, BlockPool::new(num_blocks, 4, true), SimTokenizer::EOS)
 }
 
 fn req(id: RequestId, prompt_len: usize, max_tokens: usize) -> Request {
@@ -17,7 +15,7 @@ fn req(id: RequestId, prompt_len: usize, max_tokens: usize) -> Request {
 }
 
 /// Sample a word for every sampling sequence of the plan.
-fn run_step(s: &mut Scheduler) -> (StepPlan, Vec<Event>) {
+fn run_step(s: &mut Scheduler) -> (StepPlan, Vec<TokenOutput>) {
     let plan = s.schedule();
     let sampled =
         plan.seqs.iter().filter(|q| q.sample).map(|q| Sampled { id: q.id, token: 5, logprobs: None }).collect();
@@ -96,12 +94,12 @@ fn prefix_cache_hits_skip_full_blocks_but_never_the_last_token() {
     let params = SamplingParams { max_tokens: 1, ignore_eos: true, ..Default::default() };
     s.add(Request::new(1, shared.clone(), params.clone()));
     let (_, ev) = run_step(&mut s);
-    assert!(matches!(ev[0], Event::Finished { cached_tokens: 0, .. }));
+    assert!(matches!(ev[0], TokenOutput { finished: Some(_), cached_tokens: 0, .. }));
     // Same 8 tokens: only the first block can be reused (the last token must be computed).
     s.add(Request::new(2, shared.clone(), params.clone()));
     let (p, ev) = run_step(&mut s);
     assert_eq!(p.seqs, vec![seq(2, 4, 4, true)]);
-    assert!(matches!(ev[0], Event::Finished { cached_tokens: 4, .. }));
+    assert!(matches!(ev[0], TokenOutput { finished: Some(_), cached_tokens: 4, .. }));
     // 8 shared tokens + 3 more: both full blocks hit.
     let mut longer = shared.clone();
     longer.extend([7, 8, 9]);
@@ -140,7 +138,7 @@ fn every_request_completes_with_exactly_its_tokens_under_pressure() {
     while !s.is_idle() {
         let (_, events) = run_step(&mut s);
         for e in events {
-            if let Event::Finished { id, completion_tokens, reason, .. } = e {
+            if let TokenOutput { id, completion_tokens, finished: Some(reason), .. } = e {
                 assert_eq!(reason, FinishReason::Length);
                 done.insert(id, completion_tokens);
             }
@@ -159,7 +157,7 @@ fn every_request_completes_with_exactly_its_tokens_under_pressure() {
 fn kv_waste_stays_under_4_percent_with_a_mixed_workload() {
     // Block size 16 (vLLM's default), prompts of 50..1,500 tokens, outputs of 1..400.
     let cfg = SchedulerConfig { max_num_batched_tokens: 2048, max_num_seqs: 64, max_model_len: 4096 };
-    let mut s = Scheduler::new(cfg, BlockPool::new(8000, 16, true), Arc::new(SimTokenizer::new()));
+    let mut s = Scheduler::new(cfg, BlockPool::new(8000, 16, true), SimTokenizer::EOS);
     let mut rng = 12345u64;
     let mut next = |m: u64| {
         rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

@@ -30,8 +30,9 @@ use switchyard_shim::process::unix_secs;
 
 use crate::backend::sim::splitmix64;
 use crate::error::ApiError;
+use crate::output_processor::Event;
 use crate::runtime::{EngineHandle, RequestStream};
-use crate::scheduler::{Event, SamplingParams};
+use crate::scheduler::SamplingParams;
 use crate::tokenizer::{TokenId, Tokenizer};
 use openai::{Limits, PromptInput};
 use sse::{Endpoint, Logprobs, ResponseMeta, Usage};

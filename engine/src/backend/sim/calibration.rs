@@ -8,12 +8,11 @@
 //! `cargo bench -p switchyard-engine --bench sim_calibration` prints it.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use super::{kv_cache_blocks, profile, SimBackend, SimProfile};
 use crate::engine_core::EngineCore;
 use crate::kv::BlockPool;
-use crate::scheduler::{Event, Request, SamplingParams, Scheduler, SchedulerConfig};
+use crate::scheduler::{Request, SamplingParams, Scheduler, SchedulerConfig};
 use crate::tokenizer::SimTokenizer;
 
 /// What a scenario measures.
@@ -177,11 +176,10 @@ pub struct VirtualTimings {
 /// with vLLM's default limits, stepping a virtual clock. Returns per-request timings and
 /// the total virtual time.
 pub fn run_virtual(p: &SimProfile, requests: usize, input_len: usize, output_len: usize) -> (Vec<VirtualTimings>, f64) {
-    let tokenizer = Arc::new(SimTokenizer::new());
     let block_size = 16;
     let blocks = kv_cache_blocks(p, block_size, 0.9).expect("model fits");
     let cfg = SchedulerConfig { max_num_batched_tokens: 8192, max_num_seqs: 256, max_model_len: 1 << 20 };
-    let scheduler = Scheduler::new(cfg, BlockPool::new(blocks, block_size, true), tokenizer);
+    let scheduler = Scheduler::new(cfg, BlockPool::new(blocks, block_size, true), SimTokenizer::EOS);
     let mut core = EngineCore::new(scheduler, Box::new(SimBackend::new(*p)));
     for id in 0..requests as u64 {
         // distinct prompts: no accidental prefix sharing
@@ -193,11 +191,8 @@ pub fn run_virtual(p: &SimProfile, requests: usize, input_len: usize, output_len
     let mut now = 0.0;
     while let Some(step) = core.step().expect("the sim backend never fails") {
         now += step.model_time.unwrap_or_default().as_secs_f64();
-        for ev in step.events {
-            let id = match ev {
-                Event::Token { id, .. } | Event::Finished { id, .. } => id,
-            };
-            timings.entry(id).or_default().token_times.push(now);
+        for out in step.outputs {
+            timings.entry(out.id).or_default().token_times.push(now);
         }
     }
     let mut out: Vec<_> = timings.into_iter().collect();
