@@ -60,10 +60,10 @@ def timed_requests(port, n):
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         r = c.getresponse()
-        r.read()
+        text = r.read()
         c.close()
         if r.status != 200:
-            raise SetupError(f"a normal request got {r.status}")
+            raise SetupError(f"a normal request got {r.status}: {text[:300]!r}")
         out.append(time.perf_counter() - t)
     return out
 
