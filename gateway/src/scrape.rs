@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
@@ -24,7 +25,7 @@ use pingora::services::background::BackgroundService;
 
 use crate::cluster::{Backend, Scraped};
 use crate::config::SignalSource;
-use crate::state::GatewayState;
+use crate::state::Active;
 
 /// Model lists are refreshed every this many scrapes.
 pub const MODELS_REFRESH_EVERY: u64 = 50;
@@ -34,7 +35,7 @@ const MAX_SCRAPE_BYTES: usize = 8 * 1024 * 1024;
 
 /// The scraper service.
 pub struct Scraper {
-    state: Arc<GatewayState>,
+    active: Arc<ArcSwap<Active>>,
     client: Client<HttpsConnector<HttpConnector>, Empty<Bytes>>,
 }
 
@@ -54,19 +55,19 @@ fn upstream_tls_config(ca_file: Option<&str>) -> pingora::tls::ClientConfig {
 }
 
 impl Scraper {
-    /// A scraper over `state`'s backends.
-    pub fn new(state: Arc<GatewayState>) -> Self {
+    /// A scraper over the backends of the snapshot `active` holds.
+    pub fn new(active: Arc<ArcSwap<Active>>) -> Self {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
         http.enforce_http(false);
-        let ca_file = state.active.load().config.upstream_tls.ca_file.clone();
+        let ca_file = active.load().config.upstream_tls.ca_file.clone();
         let https = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(upstream_tls_config(ca_file.as_deref()))
             .https_or_http()
             .enable_http1()
             .wrap_connector(http);
         let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build(https);
-        Scraper { state, client }
+        Scraper { active, client }
     }
 
     /// GET `path` from backend `b` at `addr` (by name over TLS: the certificate is for it).
@@ -151,7 +152,7 @@ impl Scraper {
 
     /// Scrape every backend once, concurrently.
     pub async fn scrape_all(&self, round: u64) {
-        let active = self.state.active.load_full();
+        let active = self.active.load_full();
         let (timeout, source) = (active.config.scrape.timeout(), active.config.scrape.source);
         futures_util::future::join_all(active.cluster.backends.iter().map(|b| self.scrape(b, timeout, source, round)))
             .await;
@@ -166,7 +167,7 @@ impl BackgroundService for Scraper {
             let started = Instant::now();
             self.scrape_all(round).await;
             round += 1;
-            let interval = self.state.active.load().config.scrape.interval();
+            let interval = self.active.load().config.scrape.interval();
             let wait = interval.saturating_sub(started.elapsed());
             tokio::select! {
                 _ = shutdown.changed() => return,

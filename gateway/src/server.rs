@@ -129,7 +129,7 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     admin.add_tcp(&admin_addr.to_string());
     server.add_service(PreBound { inner: proxy, sockets: vec![(api_addr, api_socket)] });
     server.add_service(PreBound { inner: admin, sockets: vec![(admin_addr, admin_socket)] });
-    server.add_service(background_service("scraper", scrape::Scraper::new(state.clone())));
+    server.add_service(background_service("scraper", scrape::Scraper::new(state.active.clone())));
     let discovery_cfg = state.active.load().config.discovery.clone();
     let publisher = || {
         let state = state.clone();

@@ -74,8 +74,8 @@ pub const UPSTREAM_IDLE: std::time::Duration = std::time::Duration::from_secs(60
 
 /// Shared state.
 pub struct GatewayState {
-    /// Config + policy + backends.
-    pub active: ArcSwap<Active>,
+    /// Config + policy + backends (shared with the scraper, which needs nothing else).
+    pub active: Arc<ArcSwap<Active>>,
     /// Opens upstream connections (pingora; TCP, TLS).
     pub connector: Connector,
     /// Idle upstream connections for reuse.
@@ -110,7 +110,7 @@ impl GatewayState {
         let retry_budget = RetryBudget::new(r.budget_percent, r.min_retries_per_second, std::time::Instant::now());
         Arc::new(GatewayState {
             prefix,
-            active: ArcSwap::from_pointee(Active::new(config, cluster, auth)),
+            active: Arc::new(ArcSwap::from_pointee(Active::new(config, cluster, auth))),
             connector: Connector::new(Some(connector_options)),
             pool: crate::pool::UpstreamPool::new(UPSTREAM_MAX_IDLE, UPSTREAM_IDLE),
             metrics,
