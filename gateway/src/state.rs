@@ -17,6 +17,7 @@ use crate::admission::AdmissionQueue;
 use crate::auth::Authenticator;
 use crate::cluster::{BackendSpec, ClusterView};
 use crate::config::GatewayConfig;
+#[cfg(any(test, feature = "fuzzing"))]
 use crate::discovery::static_list::literal_resolve;
 use crate::discovery::{backend_specs, backend_specs_with, system_resolve};
 use crate::drain::Lifecycle;
@@ -47,6 +48,7 @@ impl Active {
 
     /// A snapshot of `config` alone, without DNS: backends given by IP address resolve,
     /// named ones stay down. For the fuzz target and tests.
+    #[cfg(any(test, feature = "fuzzing"))]
     pub fn for_config(config: GatewayConfig) -> Self {
         let specs = backend_specs_with(&config, &[], &literal_resolve);
         let cluster = Arc::new(ClusterView::rebuild(&ClusterView::default(), &specs));
