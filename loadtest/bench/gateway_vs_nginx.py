@@ -17,7 +17,7 @@ with its measured value; exits 1 when a bar is missed, 2 when it could not measu
 
 The gateway routes with `--policy` (default `least_load`, the cheapest per request; `cost`,
 the gateway's default, also prices each prompt against the prefix index).
-Usage: python3 loadtest/bench/gateway_vs_nginx.py [--quick] [--policy NAME]
+Usage: python3 loadtest/bench/gateway_vs_nginx.py [--quick] [--policy NAME] [--gateway-bin PATH]
 """
 import argparse
 import json
@@ -37,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BIN = os.path.join(ROOT, "target", "release")
 WORK = os.path.join(ROOT, ".cache", "bench", "gateway-vs-nginx")
 POLICY = "least_load"  # the benchmarked gateway's routing policy (--policy)
+GATEWAY_BIN = None  # the benchmarked gateway binary (--gateway-bin; default: the one built here)
 procs = []
 
 
@@ -84,7 +85,7 @@ def start_gateway(name, engine_url):
                 # e.g. SWITCHYARD_BENCH_GATEWAY_EXTRA='work_stealing: false' to compare settings
                 + os.environ.get("SWITCHYARD_BENCH_GATEWAY_EXTRA", "") + "\n")
     log = open(os.path.join(WORK, f"{name}.log"), "w")
-    p = spawn([f"{BIN}/switchyard-gateway", "--config", cfg], stdout=log, stderr=log,
+    p = spawn([GATEWAY_BIN or f"{BIN}/switchyard-gateway", "--config", cfg], stdout=log, stderr=log,
               env={**os.environ, "RUST_LOG": "info"})
     wait_http(f"http://127.0.0.1:{port}/-/ready")
     return p, f"http://127.0.0.1:{port}"
@@ -198,13 +199,15 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="1 round of 3 s (a smoke run, not the benchmark)")
     ap.add_argument("--policy", default="least_load",
                     help="the gateway's routing policy (least_load, cost, round_robin, ...; default least_load)")
+    ap.add_argument("--gateway-bin", default=None,
+                    help="benchmark this gateway binary instead of the one built (e.g. an older build, before/after)")
     return ap.parse_args(argv)
 
 
 def main():
-    global POLICY
+    global POLICY, GATEWAY_BIN
     args = parse_args()
-    POLICY = args.policy
+    POLICY, GATEWAY_BIN = args.policy, args.gateway_bin
     duration, rounds_n = ("3", 1) if args.quick else ("5", 3)
     if not shutil.which("nginx"):
         subprocess.run(["apt-get", "install", "-y", "-qq", "nginx-light"], check=True)

@@ -11,6 +11,9 @@
 # benchmarks here, a missed bar would be 1.
 #
 # Usage: loadtest/bench/profile_gateway.sh [REQUESTS]   (default 3000; takes ~1 minute)
+# Environment: SWITCHYARD_BENCH_POLICY (routing policy, default least_load; `cost` is the
+# gateway's default), SWITCHYARD_BENCH_GATEWAY_BIN (a gateway binary to count instead of the
+# one built here, e.g. an older build for a before/after comparison).
 set -euo pipefail
 trap 'echo "setup error: line $LINENO failed" >&2; exit 2' ERR
 cd "$(dirname "$0")/../.."
@@ -19,6 +22,8 @@ N="${1:-3000}"
 command -v valgrind >/dev/null || apt-get install -y -qq valgrind
 cargo build --release --locked -p switchyard-engine -p switchyard-gateway -p switchyard-loadtest
 B=target/release
+GW_BIN="${SWITCHYARD_BENCH_GATEWAY_BIN:-$B/switchyard-gateway}"
+POLICY="${SWITCHYARD_BENCH_POLICY:-least_load}"
 W=.cache/bench/profile-gateway
 rm -rf "$W" && mkdir -p "$W"
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -34,10 +39,10 @@ threads: 2
 discovery:
   static:
     - url: http://127.0.0.1:$ENGINE_PORT
-policy: { type: least_load }
+policy: { type: $POLICY }
 YAML
 RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$W/callgrind.out" \
-  $B/switchyard-gateway --config "$W/gateway.yaml" >"$W/gateway.log" 2>&1 &
+  "$GW_BIN" --config "$W/gateway.yaml" >"$W/gateway.log" 2>&1 &
 GW=$!
 pids+=($GW)
 for _ in $(seq 1 300); do
@@ -52,5 +57,5 @@ kill -INT "$GW"
 wait "$GW" 2>/dev/null || true
 total=$(callgrind_annotate "$W/callgrind.out" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}' || true)
 [[ $total =~ ^[0-9]+$ ]] || { echo "setup error: no instruction count in $W/callgrind.out" >&2; exit 2; }
-echo "gateway instructions: $total in all for $N requests (start-up included), $((total / N)) per request; profile: $W/callgrind.out"
+echo "gateway instructions ($POLICY, $GW_BIN): $total in all for $N requests (start-up included), $((total / N)) per request; profile: $W/callgrind.out"
 echo "bars: none (this benchmark reports figures only)"
