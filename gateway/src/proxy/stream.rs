@@ -55,13 +55,9 @@ fn response_head(upstream: &ResponseHeader) -> Option<(ResponseHeader, bool, boo
     Some((resp, has_length, is_sse))
 }
 
-/// Where a response stands between the head and the end of the body.
-struct Streaming {
-    up: HttpSession,
-    buf: BytesMut,
-    next: pingora::Result<Body>,
-    is_sse: bool,
-}
+/// The body bytes already taken when the head was sent, where the body stood then, and
+/// whether it is an SSE stream.
+type Started = (BytesMut, pingora::Result<Body>, bool);
 
 impl ProxyApp {
     /// Stream `up`'s response (header already read) from backend `index` to the client;
@@ -69,33 +65,36 @@ impl ProxyApp {
     pub(super) async fn stream(
         &self,
         s: &mut ServerSession,
-        up: HttpSession,
+        mut up: HttpSession,
         active: &Active,
         index: usize,
         ctx: &mut RequestCtx,
         inflight: &mut InflightGuard<'_>,
     ) -> bool {
-        let Some(mut st) = self.send_head(s, up, active, index, ctx).await else { return false };
-        st.up.read_timeout = Some(active.config.timeouts.idle());
+        // `up` stays in this frame: it is large, and moving it costs a copy each time.
+        let Some((mut buf, mut next, is_sse)) = self.send_head(s, &mut up, active, index, ctx).await else {
+            return false;
+        };
+        up.read_timeout = Some(active.config.timeouts.idle());
         let backend = &active.cluster.backends[index];
         loop {
-            let end = matches!(st.next, Ok(Body::Ended));
-            if (!st.buf.is_empty() || end) && !self.forward(s, &mut st.buf, end, backend, ctx, inflight).await {
+            let end = matches!(next, Ok(Body::Ended));
+            if (!buf.is_empty() || end) && !self.forward(s, &mut buf, end, backend, ctx, inflight).await {
                 return false;
             }
-            match st.next {
+            match next {
                 Ok(Body::More) => {}
                 Ok(Body::Ended) => {
-                    self.release(st.up, active, index);
+                    self.release(up, active, index);
                     return true;
                 }
-                Err(e) => return self.broken(s, &e, st.is_sse, active, index, ctx).await,
+                Err(e) => return self.broken(s, &e, is_sse, active, index, ctx).await,
             }
             let read = tokio::select! {
-                r = st.up.read_body_ref() => r.map(|chunk| match chunk {
+                r = up.read_body_ref() => r.map(|chunk| match chunk {
                     Some(chunk) => {
                         ctx.chunks += 1;
-                        st.buf.extend_from_slice(chunk);
+                        buf.extend_from_slice(chunk);
                         Body::More
                     }
                     None => Body::Ended,
@@ -106,8 +105,8 @@ impl ProxyApp {
                     return false;
                 }
             };
-            st.next = match read {
-                Ok(Body::More) => take_ready(&mut st.up, &mut st.buf, &mut ctx.chunks),
+            next = match read {
+                Ok(Body::More) => take_ready(&mut up, &mut buf, &mut ctx.chunks),
                 other => other,
             };
         }
@@ -119,11 +118,11 @@ impl ProxyApp {
     async fn send_head(
         &self,
         s: &mut ServerSession,
-        mut up: HttpSession,
+        up: &mut HttpSession,
         active: &Active,
         index: usize,
         ctx: &mut RequestCtx,
-    ) -> Option<Streaming> {
+    ) -> Option<Started> {
         let upstream = up.resp_header()?;
         ctx.status = upstream.status.as_u16();
         if ctx.status >= 500 {
@@ -138,7 +137,7 @@ impl ProxyApp {
         // pingora then holds the header until the body is written and both go out in one
         // write. Otherwise it is chunked and pingora flushes the header at once.
         let mut buf = BytesMut::with_capacity(4096);
-        let next = take_ready(&mut up, &mut buf, &mut ctx.chunks);
+        let next = take_ready(up, &mut buf, &mut ctx.chunks);
         if !has_length && matches!(next, Ok(Body::Ended)) {
             let _ = resp.insert_header("content-length", buf.len().to_string());
         } else if !has_length && !s.is_http2() {
@@ -148,7 +147,7 @@ impl ProxyApp {
             ctx.client_gone();
             return None;
         }
-        Some(Streaming { up, buf, next, is_sse })
+        Some((buf, next, is_sse))
     }
 
     /// The engine failed mid-response: count it, and end an SSE stream with the OpenAI
