@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod model;
 pub mod output_processor;
 pub mod runtime;
+pub mod sampling;
 pub mod scheduler;
 pub mod server;
 pub mod tokenizer;

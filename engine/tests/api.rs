@@ -254,6 +254,19 @@ async fn non_streamed_responses_have_the_openai_shape() {
     assert_eq!(cut["choices"][0]["finish_reason"], "stop");
     let expect = &text[..text.find(&stop).unwrap()];
     assert_eq!(cut["choices"][0]["text"], expect);
+    // The output processor ended it in the engine as well: blocks freed and gauges published
+    // before the answer, counted as `stop`, not as an abort.
+    let s = scrape(addr).await;
+    assert_eq!(metric(&s, "vllm:num_requests_running"), 0.0);
+    assert_eq!(metric(&s, "vllm:kv_cache_usage_perc"), 0.0);
+    let success = |reason: &str| {
+        let x = s.iter().find(|x| x.name == "vllm:request_success_total" && x.labels["finished_reason"] == reason);
+        match x.expect("success counter by reason").value {
+            SeriesValue::Scalar(v) => v,
+            _ => panic!("not a counter"),
+        }
+    };
+    assert_eq!((success("stop"), success("abort")), (1.0, 0.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,19 +12,24 @@
 //!
 //! Attention is grouped-query (`n_heads / n_kv_heads` query heads share a K/V head). The K/V
 //! of token position `p` of a sequence lives in slot `p % block_size` of block
-//! `block_table[p / block_size]` of [`KvStore`]; a step first writes its new tokens' K/V,
-//! then each token attends to positions `0..=p` through the table. Blocks shared through the
-//! prefix cache are simply read by several sequences.
+//! `block_table[p / block_size]` of the `cpu` backend's [`KvStore`]; a step first writes its
+//! new tokens' K/V, then each token attends to positions `0..=p` through the table. Blocks
+//! shared through the prefix cache are simply read by several sequences.
+//!
+//! [`Llama::forward_rank`] runs in named steps: embed, then per block the attention block and
+//! the MLP block, then gather the logits. The weights' type is [`Matrix`] (`tensor.rs`); the
+//! GGUF loader is `gguf_loader.rs`, the HF one `hf.rs`.
 
 use std::ops::Range;
-use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::gguf::{GgmlType, GgufError, GgufFile};
-use super::quant::{dequantize_row, QuantError};
+use super::gguf::GgufError;
+use super::quant::QuantError;
 use super::simd::{attend_rows, dot_row, dot_rows_tokens, AttnShape, Kernel, KvRows, QuantizedActs};
+pub use super::tensor::Matrix;
 use super::tp::{add_parts, sum_parts, CommError, Communicator, TpDims, TpPlan};
+pub use crate::backend::cpu::kv_store::KvStore;
 use crate::kv::BlockId;
 use crate::tokenizer::TokenId;
 
@@ -107,86 +112,6 @@ pub enum ModelError {
     /// A tensor-parallel collective failed.
     #[error(transparent)]
     Comm(#[from] CommError),
-}
-
-/// Raw bytes of a weight: a range of a shared buffer (a mapped file or an owned vector).
-#[derive(Clone)]
-pub struct Matrix {
-    buf: Arc<dyn AsRef<[u8]> + Send + Sync>,
-    start: usize,
-    /// Element type.
-    pub ty: GgmlType,
-    /// Output rows.
-    pub rows: usize,
-    /// Weights per row.
-    pub cols: usize,
-}
-
-impl std::fmt::Debug for Matrix {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Matrix({} × {} {})", self.rows, self.cols, self.ty)
-    }
-}
-
-impl Matrix {
-    /// A matrix over `buf[start..]`; `buf` must hold `rows` rows of `cols` weights of `ty`.
-    pub fn new(
-        buf: Arc<dyn AsRef<[u8]> + Send + Sync>,
-        start: usize,
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
-    ) -> Result<Self, QuantError> {
-        let need = ty.bytes_for(cols) * rows;
-        let have = (*buf).as_ref().len().saturating_sub(start);
-        if !cols.is_multiple_of(ty.block_len()) || need > have {
-            return Err(QuantError::Shape { ty, row: cols, bytes: have, n: need });
-        }
-        Ok(Self { buf, start, ty, rows, cols })
-    }
-
-    fn row_bytes(&self) -> usize {
-        self.ty.bytes_for(self.cols)
-    }
-
-    /// The bytes of row `r`.
-    pub fn row(&self, r: usize) -> &[u8] {
-        let n = self.row_bytes();
-        let all: &[u8] = (*self.buf).as_ref();
-        &all[self.start + r * n..self.start + (r + 1) * n]
-    }
-
-    /// The bytes of rows `r..r + n`.
-    pub fn rows_bytes(&self, r: usize, n: usize) -> &[u8] {
-        let b = self.row_bytes();
-        let all: &[u8] = (*self.buf).as_ref();
-        &all[self.start + r * b..self.start + (r + n) * b]
-    }
-
-    /// Row `r` as f32.
-    pub fn row_f32(&self, r: usize, out: &mut [f32]) -> Result<(), QuantError> {
-        dequantize_row(self.ty, self.row(r), out)
-    }
-
-    /// Rows `r` as a matrix over the same buffer (no copy).
-    pub fn row_range(&self, r: Range<usize>) -> Matrix {
-        debug_assert!(r.end <= self.rows);
-        Matrix { start: self.start + r.start * self.row_bytes(), rows: r.len(), ..self.clone() }
-    }
-
-    /// Columns `c` of every row, copied into a new buffer; `c` must fall on quantization
-    /// blocks.
-    pub fn col_range(&self, c: Range<usize>) -> Result<Matrix, QuantError> {
-        let (b0, b1) = (self.ty.bytes_for(c.start), self.ty.bytes_for(c.end));
-        if !c.start.is_multiple_of(self.ty.block_len()) || !c.end.is_multiple_of(self.ty.block_len()) {
-            return Err(QuantError::Shape { ty: self.ty, row: c.len(), bytes: b1 - b0, n: b1 - b0 });
-        }
-        let mut out = Vec::with_capacity(self.rows * (b1 - b0));
-        for r in 0..self.rows {
-            out.extend_from_slice(&self.row(r)[b0..b1]);
-        }
-        Matrix::new(Arc::new(out), 0, self.ty, self.rows, c.len())
-    }
 }
 
 /// Weights of one transformer block.
@@ -297,44 +222,6 @@ pub struct RowParallel {
     pub down: Vec<Matrix>,
 }
 
-/// K/V storage of every block of the pool, per layer: `[block][slot][kv_head][head_dim]`.
-#[derive(Debug)]
-pub struct KvStore {
-    block_size: usize,
-    kv_dim: usize,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
-}
-
-impl KvStore {
-    /// Storage for `num_blocks` blocks of `block_size` tokens of a model shaped like `cfg`.
-    pub fn new(cfg: &LlamaConfig, num_blocks: usize, block_size: usize) -> Self {
-        Self::with_kv_dim(cfg.n_layers, cfg.kv_dim(), num_blocks, block_size)
-    }
-
-    /// Storage for a model (or one tensor-parallel rank of it) with `kv_dim` floats of K per
-    /// token per layer.
-    pub fn with_kv_dim(n_layers: usize, kv_dim: usize, num_blocks: usize, block_size: usize) -> Self {
-        let per_layer = num_blocks * block_size * kv_dim;
-        Self {
-            block_size,
-            kv_dim,
-            k: (0..n_layers).map(|_| vec![0.0; per_layer]).collect(),
-            v: (0..n_layers).map(|_| vec![0.0; per_layer]).collect(),
-        }
-    }
-
-    /// Bytes one token takes across all layers.
-    pub fn bytes_per_token(cfg: &LlamaConfig) -> usize {
-        2 * cfg.n_layers * cfg.kv_dim() * std::mem::size_of::<f32>()
-    }
-
-    /// Offset of position `pos` of a sequence with `table`.
-    fn slot(&self, table: &[BlockId], pos: usize) -> usize {
-        (table[pos / self.block_size] as usize * self.block_size + pos % self.block_size) * self.kv_dim
-    }
-}
-
 /// One sequence of a batch.
 #[derive(Debug, Clone, Copy)]
 pub struct SeqInput<'a> {
@@ -348,85 +235,11 @@ pub struct SeqInput<'a> {
     pub logits: bool,
 }
 
-fn cfg_err(key: &str, reason: impl Into<String>) -> ModelError {
+pub(super) fn cfg_err(key: &str, reason: impl Into<String>) -> ModelError {
     ModelError::Config { key: key.to_string(), reason: reason.into() }
 }
 
 impl Llama {
-    /// Load a GGUF llama model.
-    pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
-        let h = &file.header;
-        let arch = h.str("general.architecture")?;
-        if arch != "llama" {
-            return Err(cfg_err("general.architecture", format!("{arch} (only llama is supported)")));
-        }
-        let count = |key: &str| -> Result<usize, ModelError> {
-            let v = h.u64(&format!("llama.{key}"))?;
-            usize::try_from(v)
-                .ok()
-                .filter(|&v| v > 0)
-                .ok_or_else(|| cfg_err(key, format!("{v} is not a positive count")))
-        };
-        let dim = count("embedding_length")?;
-        let n_heads = count("attention.head_count")?;
-        let n_kv_heads = count("attention.head_count_kv").unwrap_or(n_heads);
-        if !dim.is_multiple_of(n_heads) || !n_heads.is_multiple_of(n_kv_heads) {
-            return Err(cfg_err("attention.head_count", format!("{dim} dims, {n_heads} heads, {n_kv_heads} kv heads")));
-        }
-        let map = file.map();
-        let buf: Arc<dyn AsRef<[u8]> + Send + Sync> = map;
-        let embed_info =
-            h.tensor("token_embd.weight").ok_or_else(|| tensor_err("token_embd.weight", "missing"))?.clone();
-        let vocab = embed_info.rows();
-        let cfg = LlamaConfig {
-            n_layers: count("block_count")?,
-            dim,
-            ffn_dim: count("feed_forward_length")?,
-            n_heads,
-            n_kv_heads,
-            vocab,
-            max_ctx: count("context_length")?,
-            rope_theta: h.f64("llama.rope.freq_base").unwrap_or(10000.0) as f32,
-            eps: h.f64("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f32,
-            rope: RopeStyle::Interleaved,
-        };
-        let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix, ModelError> {
-            let t = h.tensor(name).ok_or_else(|| tensor_err(name, "missing"))?;
-            if t.dims.len() != 2 || t.row_len() != cols || t.rows() != rows {
-                return Err(tensor_err(name, format!("shape {:?}, expected [{cols}, {rows}]", t.dims)));
-            }
-            Ok(Matrix::new(buf.clone(), t.start, t.ty, rows, cols)?)
-        };
-        let vector = |name: &str, n: usize| -> Result<Vec<f32>, ModelError> {
-            let t = h.tensor(name).ok_or_else(|| tensor_err(name, "missing"))?;
-            if t.elements() != n {
-                return Err(tensor_err(name, format!("{} elements, expected {n}", t.elements())));
-            }
-            let mut out = vec![0.0; n];
-            dequantize_row(t.ty, file.data(t), &mut out)?;
-            Ok(out)
-        };
-        const GGUF_LAYER: LayerNames = LayerNames {
-            attn_norm: "attn_norm",
-            q: "attn_q",
-            k: "attn_k",
-            v: "attn_v",
-            o: "attn_output",
-            ffn_norm: "ffn_norm",
-            gate: "ffn_gate",
-            up: "ffn_up",
-            down: "ffn_down",
-        };
-        let layers = (0..cfg.n_layers)
-            .map(|i| LayerWeights::load(&cfg, |part| format!("blk.{i}.{part}.weight"), &GGUF_LAYER, &matrix, &vector))
-            .collect::<Result<Vec<_>, ModelError>>()?;
-        let embed = matrix("token_embd.weight", vocab, dim)?;
-        let lm_head =
-            if h.tensor("output.weight").is_some() { matrix("output.weight", vocab, dim)? } else { embed.clone() };
-        let norm = vector("output_norm.weight", dim)?;
-        Ok(Self::assemble(cfg, embed, layers, norm, lm_head))
-    }
-
     /// Put a model together from its parts (loaders and tests).
     pub fn assemble(
         cfg: LlamaConfig,
@@ -533,111 +346,113 @@ impl Llama {
     /// [`Self::forward`] for one rank of a tensor-parallel group (`self` a [`Self::shard`]):
     /// the partial outputs of O and down are summed over `comm`, and rank 0 gathers the
     /// logits (other ranks return none). `None`: the whole model, no collectives.
+    ///
+    /// The steps: [`embed`](Self::embed) the tokens, then per block
+    /// [`attention_block`](Self::attention_block) and [`mlp_block`](Self::mlp_block) (each
+    /// adds its output to the residual stream), then [`gather_logits`](Self::gather_logits).
     pub fn forward_rank(
         &self,
         kv: &mut KvStore,
         seqs: &[SeqInput<'_>],
         comm: Option<(&dyn Communicator, usize)>,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
-        let c = &self.cfg;
         let Some(l0) = self.layers.first() else { return Err(cfg_err("block_count", "the model has no blocks")) };
-        // This rank's widths (the whole model's without TP): attention, K/V, MLP, vocabulary.
-        let (dim, qd, kvd, ffn, vocab) = (c.dim, l0.wq.rows, l0.wk.rows, l0.w_gate.rows, self.lm_head.rows);
-        if kv.kv_dim != kvd {
-            return Err(cfg_err("kv_cache", format!("holds {} floats per token, the model needs {kvd}", kv.kv_dim)));
+        // This rank's widths (the whole model's without TP): attention, K/V, MLP.
+        let (qd, kvd, ffn) = (l0.wq.rows, l0.wk.rows, l0.w_gate.rows);
+        if kv.kv_dim() != kvd {
+            return Err(cfg_err("kv_cache", format!("holds {} floats per token, the model needs {kvd}", kv.kv_dim())));
         }
-        // Row r of the batch: (sequence index, position).
-        let rows: Vec<(usize, usize)> =
-            seqs.iter().enumerate().flat_map(|(s, q)| (0..q.tokens.len()).map(move |i| (s, q.start + i))).collect();
-        let t = rows.len();
-        for (s, q) in seqs.iter().enumerate() {
-            let need = (q.start + q.tokens.len()).div_ceil(kv.block_size);
-            if q.block_table.len() < need {
-                return Err(cfg_err(
-                    "block_table",
-                    format!("sequence {s} needs {need} blocks, has {}", q.block_table.len()),
-                ));
-            }
+        let rows = StepRows::new(seqs, kv)?;
+        let mut x = self.embed(seqs)?;
+        let mut act = Activations::new(rows.len(), self.cfg.dim, qd, kvd, ffn);
+        for (li, (l, rp)) in self.layers.iter().zip(&self.row_parallel).enumerate() {
+            self.attention_block(li, l, rp, &rows, kv, &mut x, &mut act, comm)?;
+            self.mlp_block(l, rp, &mut x, &mut act, comm)?;
         }
+        self.gather_logits(&x, seqs, &mut act.scratch, comm)
+    }
+
+    /// The embedding of every token of the step, one row of `dim` per token.
+    fn embed(&self, seqs: &[SeqInput<'_>]) -> Result<Vec<f32>, ModelError> {
+        let (dim, vocab) = (self.cfg.dim, self.cfg.vocab);
+        let t: usize = seqs.iter().map(|q| q.tokens.len()).sum();
         let mut x = vec![0f32; t * dim];
         for (row, &tok) in x.chunks_exact_mut(dim).zip(seqs.iter().flat_map(|q| q.tokens)) {
-            if tok as usize >= c.vocab {
-                return Err(cfg_err("token", format!("id {tok} is outside the vocabulary of {}", c.vocab)));
+            if tok as usize >= vocab {
+                return Err(cfg_err("token", format!("id {tok} is outside the vocabulary of {vocab}")));
             }
             self.embed.row_f32(tok as usize, row)?;
         }
-        let mut scratch = Scratch::default();
-        let mut n = vec![0f32; t * dim];
-        let (mut q, mut k, mut v) = (vec![0f32; t * qd], vec![0f32; t * kvd], vec![0f32; t * kvd]);
-        let mut att = vec![0f32; t * qd];
-        let mut o = vec![0f32; t * dim];
-        let (mut g, mut u) = (vec![0f32; t * ffn], vec![0f32; t * ffn]);
-        // Where each row's positions 0..=pos live in the cache: the same in every layer.
-        let slots: Vec<Vec<usize>> =
-            rows.iter().map(|&(s, pos)| (0..=pos).map(|p| kv.slot(seqs[s].block_table, p)).collect()).collect();
-        let lens: Vec<usize> = slots.iter().map(Vec::len).collect();
-        // Attention tiles: up to 4 consecutive rows of one sequence (they share K/V reads).
-        let mut tiles: Vec<(usize, usize)> = Vec::new();
-        for (r, &(s, _)) in rows.iter().enumerate() {
-            match tiles.last_mut() {
-                Some((r0, n)) if rows[*r0].0 == s && *n < 4 => *n += 1,
-                _ => tiles.push((r, 1)),
-            }
-        }
-        for (li, (l, rp)) in self.layers.iter().zip(&self.row_parallel).enumerate() {
-            rmsnorm(&x, &l.attn_norm, c.eps, &mut n);
-            matmul(&[&l.wq, &l.wk, &l.wv], &[&n], &mut [&mut q, &mut k, &mut v], &mut scratch)?;
-            for (r, &(_, pos)) in rows.iter().enumerate() {
-                self.rope(&mut q[r * qd..(r + 1) * qd], pos);
-                self.rope(&mut k[r * kvd..(r + 1) * kvd], pos);
-            }
-            // Write this step's K/V first: a token attends to itself and to the earlier
-            // tokens of its own chunk.
-            for (r, row_slots) in slots.iter().enumerate() {
-                let at = row_slots[row_slots.len() - 1];
-                kv.k[li][at..at + kvd].copy_from_slice(&k[r * kvd..(r + 1) * kvd]);
-                kv.v[li][at..at + kvd].copy_from_slice(&v[r * kvd..(r + 1) * kvd]);
-            }
-            let (kc, vc) = (&kv.k[li], &kv.v[li]);
-            let (kernel, hd) = (scratch.kernel, c.head_dim());
-            let shape = AttnShape { n_heads: qd / hd, n_kv_heads: kvd / hd, head_dim: hd };
-            let group = shape.n_heads / shape.n_kv_heads;
-            // One job per tile, except that a lone row (a decode) is split by K/V head so one
-            // sequence's attention still spreads over the pool. Heads are independent: a
-            // head's result is the same bits either way.
-            let mut rest: &mut [f32] = &mut att;
-            let mut jobs = Vec::with_capacity(tiles.len() * shape.n_kv_heads);
-            for &(r0, n) in &tiles {
-                let (out, tail) = rest.split_at_mut(n * qd);
-                rest = tail;
-                if n == 1 {
-                    jobs.extend(out.chunks_exact_mut(group * hd).enumerate().map(|(h, o)| (r0, 1, Some(h), o)));
-                } else {
-                    jobs.push((r0, n, None, out));
-                }
-            }
-            jobs.into_par_iter().for_each_init(Vec::new, |scores, (r0, n, head, out)| {
-                let (rows, slots, lens) = (&q[r0 * qd..(r0 + n) * qd], &slots[r0 + n - 1], &lens[r0..r0 + n]);
-                match head {
-                    None => attend_rows(kernel, shape, rows, out, KvRows { k: kc, v: vc, slots }, lens, scores),
-                    Some(h) => {
-                        // K/V head `h` alone: its rows start `h · hd` into each cached slot.
-                        let one = AttnShape { n_heads: group, n_kv_heads: 1, head_dim: hd };
-                        let kv = KvRows { k: &kc[h * hd..], v: &vc[h * hd..], slots };
-                        attend_rows(kernel, one, &rows[h * group * hd..(h + 1) * group * hd], out, kv, lens, scores);
-                    }
-                }
-            });
-            row_parallel(&rp.wo, &att, t, &mut o, &mut scratch, comm)?;
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        Ok(x)
+    }
 
-            rmsnorm(&x, &l.ffn_norm, c.eps, &mut n);
-            matmul(&[&l.w_gate, &l.w_up], &[&n], &mut [&mut g, &mut u], &mut scratch)?;
-            g.iter_mut().zip(&u).for_each(|(a, b)| *a = *a / (1.0 + (-*a).exp()) * b);
-            row_parallel(&rp.down, &g, t, &mut o, &mut scratch, comm)?;
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+    /// `x += Wo · attn(rope(Wq·n), rope(Wk·n), Wv·n)`, `n = rmsnorm(x)·attn_norm`, for block
+    /// `li`: this step's K/V are written to the cache first (a token attends to itself and to
+    /// the earlier tokens of its own chunk).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_block(
+        &self,
+        li: usize,
+        l: &LayerWeights,
+        rp: &RowParallel,
+        rows: &StepRows,
+        kv: &mut KvStore,
+        x: &mut [f32],
+        act: &mut Activations,
+        comm: Option<(&dyn Communicator, usize)>,
+    ) -> Result<(), ModelError> {
+        let (qd, kvd) = (act.qd, act.kvd);
+        rmsnorm(x, &l.attn_norm, self.cfg.eps, &mut act.n);
+        matmul(&[&l.wq, &l.wk, &l.wv], &[&act.n], &mut [&mut act.q, &mut act.k, &mut act.v], &mut act.scratch)?;
+        for (r, &(_, pos)) in rows.rows.iter().enumerate() {
+            self.rope(&mut act.q[r * qd..(r + 1) * qd], pos);
+            self.rope(&mut act.k[r * kvd..(r + 1) * kvd], pos);
         }
-        // Logits only for the last token of the sequences that sample.
+        {
+            let (kc, vc) = kv.layer_mut(li);
+            for (r, row_slots) in rows.slots.iter().enumerate() {
+                let at = row_slots[row_slots.len() - 1];
+                kc[at..at + kvd].copy_from_slice(&act.k[r * kvd..(r + 1) * kvd]);
+                vc[at..at + kvd].copy_from_slice(&act.v[r * kvd..(r + 1) * kvd]);
+            }
+        }
+        let (kc, vc) = kv.layer(li);
+        let hd = self.cfg.head_dim();
+        let shape = AttnShape { n_heads: qd / hd, n_kv_heads: kvd / hd, head_dim: hd };
+        attention(act.scratch.kernel, shape, rows, &act.q, kc, vc, &mut act.att);
+        row_parallel(&rp.wo, &act.att, rows.len(), &mut act.o, &mut act.scratch, comm)?;
+        x.iter_mut().zip(&act.o).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    /// `x += Wdown · (silu(Wgate·m) ⊙ Wup·m)`, `m = rmsnorm(x)·ffn_norm`.
+    fn mlp_block(
+        &self,
+        l: &LayerWeights,
+        rp: &RowParallel,
+        x: &mut [f32],
+        act: &mut Activations,
+        comm: Option<(&dyn Communicator, usize)>,
+    ) -> Result<(), ModelError> {
+        rmsnorm(x, &l.ffn_norm, self.cfg.eps, &mut act.n);
+        matmul(&[&l.w_gate, &l.w_up], &[&act.n], &mut [&mut act.g, &mut act.u], &mut act.scratch)?;
+        act.g.iter_mut().zip(&act.u).for_each(|(a, b)| *a = *a / (1.0 + (-*a).exp()) * b);
+        let t = x.len() / self.cfg.dim;
+        row_parallel(&rp.down, &act.g, t, &mut act.o, &mut act.scratch, comm)?;
+        x.iter_mut().zip(&act.o).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    /// The logits of the last token of every sequence that samples: final norm and LM head;
+    /// with a group, this rank's vocabulary rows gathered on rank 0 (the others return none).
+    fn gather_logits(
+        &self,
+        x: &[f32],
+        seqs: &[SeqInput<'_>],
+        scratch: &mut Scratch,
+        comm: Option<(&dyn Communicator, usize)>,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let (dim, vocab) = (self.cfg.dim, self.lm_head.rows);
         let mut last = Vec::new();
         let mut end = 0;
         for q in seqs {
@@ -648,9 +463,9 @@ impl Llama {
         }
         let m = last.len() / dim;
         let mut normed = vec![0f32; last.len()];
-        rmsnorm(&last, &self.norm, c.eps, &mut normed);
+        rmsnorm(&last, &self.norm, self.cfg.eps, &mut normed);
         let mut logits = vec![0f32; m * vocab];
-        matmul(&[&self.lm_head], &[&normed], &mut [&mut logits], &mut scratch)?;
+        matmul(&[&self.lm_head], &[&normed], &mut [&mut logits], scratch)?;
         let Some((comm, rank)) = comm else {
             return Ok(logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect());
         };
@@ -661,7 +476,7 @@ impl Llama {
         }
         Ok((0..m)
             .map(|i| {
-                let mut row = Vec::with_capacity(c.vocab);
+                let mut row = Vec::with_capacity(self.cfg.vocab);
                 for p in &parts {
                     let w = p.len() / m.max(1);
                     row.extend_from_slice(&p[i * w..(i + 1) * w]);
@@ -688,7 +503,117 @@ impl Llama {
     }
 }
 
-fn tensor_err(name: &str, reason: impl Into<String>) -> ModelError {
+/// The rows of one step: row `r` is position `rows[r].1` of sequence `rows[r].0`; `slots[r]`
+/// are the cache offsets of that sequence's positions `0..=pos` (the same in every layer),
+/// `lens[r]` their count; `tiles` group up to 4 consecutive rows of one sequence, which share
+/// their K/V reads in attention.
+struct StepRows {
+    rows: Vec<(usize, usize)>,
+    slots: Vec<Vec<usize>>,
+    lens: Vec<usize>,
+    tiles: Vec<(usize, usize)>,
+}
+
+impl StepRows {
+    /// The rows of `seqs`, whose block tables must cover their positions in `kv`.
+    fn new(seqs: &[SeqInput<'_>], kv: &KvStore) -> Result<Self, ModelError> {
+        for (s, q) in seqs.iter().enumerate() {
+            let need = (q.start + q.tokens.len()).div_ceil(kv.block_size());
+            if q.block_table.len() < need {
+                return Err(cfg_err(
+                    "block_table",
+                    format!("sequence {s} needs {need} blocks, has {}", q.block_table.len()),
+                ));
+            }
+        }
+        let rows: Vec<(usize, usize)> =
+            seqs.iter().enumerate().flat_map(|(s, q)| (0..q.tokens.len()).map(move |i| (s, q.start + i))).collect();
+        let slots: Vec<Vec<usize>> =
+            rows.iter().map(|&(s, pos)| (0..=pos).map(|p| kv.slot(seqs[s].block_table, p)).collect()).collect();
+        let lens = slots.iter().map(Vec::len).collect();
+        let mut tiles: Vec<(usize, usize)> = Vec::new();
+        for (r, &(s, _)) in rows.iter().enumerate() {
+            match tiles.last_mut() {
+                Some((r0, n)) if rows[*r0].0 == s && *n < 4 => *n += 1,
+                _ => tiles.push((r, 1)),
+            }
+        }
+        Ok(StepRows { rows, slots, lens, tiles })
+    }
+
+    /// Rows in the step.
+    fn len(&self) -> usize {
+        self.rows.len()
+    }
+}
+
+/// The step's activations (`T` rows each), reused by every block, and the matmul scratch.
+struct Activations {
+    /// This rank's query and K/V widths.
+    qd: usize,
+    kvd: usize,
+    n: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    o: Vec<f32>,
+    g: Vec<f32>,
+    u: Vec<f32>,
+    scratch: Scratch,
+}
+
+impl Activations {
+    fn new(t: usize, dim: usize, qd: usize, kvd: usize, ffn: usize) -> Self {
+        Activations {
+            qd,
+            kvd,
+            n: vec![0f32; t * dim],
+            q: vec![0f32; t * qd],
+            k: vec![0f32; t * kvd],
+            v: vec![0f32; t * kvd],
+            att: vec![0f32; t * qd],
+            o: vec![0f32; t * dim],
+            g: vec![0f32; t * ffn],
+            u: vec![0f32; t * ffn],
+            scratch: Scratch::default(),
+        }
+    }
+}
+
+/// Attention of every row of the step (`q`) over one layer's cache (`kc`, `vc`) into `att`,
+/// on the rayon pool: one job per tile, except that a lone row (a decode) is split by K/V head
+/// so one sequence's attention still spreads over the pool. Heads are independent: a head's
+/// result is the same bits either way.
+fn attention(kernel: Kernel, shape: AttnShape, rows: &StepRows, q: &[f32], kc: &[f32], vc: &[f32], att: &mut [f32]) {
+    let hd = shape.head_dim;
+    let (qd, group) = (shape.n_heads * hd, shape.n_heads / shape.n_kv_heads);
+    let mut rest: &mut [f32] = att;
+    let mut jobs = Vec::with_capacity(rows.tiles.len() * shape.n_kv_heads);
+    for &(r0, n) in &rows.tiles {
+        let (out, tail) = rest.split_at_mut(n * qd);
+        rest = tail;
+        if n == 1 {
+            jobs.extend(out.chunks_exact_mut(group * hd).enumerate().map(|(h, o)| (r0, 1, Some(h), o)));
+        } else {
+            jobs.push((r0, n, None, out));
+        }
+    }
+    jobs.into_par_iter().for_each_init(Vec::new, |scores, (r0, n, head, out)| {
+        let (q, slots, lens) = (&q[r0 * qd..(r0 + n) * qd], &rows.slots[r0 + n - 1], &rows.lens[r0..r0 + n]);
+        match head {
+            None => attend_rows(kernel, shape, q, out, KvRows { k: kc, v: vc, slots }, lens, scores),
+            Some(h) => {
+                // K/V head `h` alone: its rows start `h · hd` into each cached slot.
+                let one = AttnShape { n_heads: group, n_kv_heads: 1, head_dim: hd };
+                let kv = KvRows { k: &kc[h * hd..], v: &vc[h * hd..], slots };
+                attend_rows(kernel, one, &q[h * group * hd..(h + 1) * group * hd], out, kv, lens, scores);
+            }
+        }
+    });
+}
+
+pub(super) fn tensor_err(name: &str, reason: impl Into<String>) -> ModelError {
     ModelError::Tensor { name: name.to_string(), reason: reason.into() }
 }
 

@@ -1,7 +1,10 @@
 //! Paged attention against a straightforward contiguous implementation, on a small random
 //! model with f32 weights (exact arithmetic on both sides, so any indexing slip shows).
 
+use std::sync::Arc;
+
 use super::*;
+use crate::model::gguf::GgmlType;
 
 const V: usize = 50;
 
