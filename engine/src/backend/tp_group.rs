@@ -130,51 +130,11 @@ impl TpGroup {
                 .build()
                 .map_err(|e| GroupError::Start { rank, reason: e.to_string() })?;
             let (tx, rx) = mpsc::channel::<Arc<Step>>();
-            let (comm, reply_tx) = (comm.clone(), reply_tx.clone());
-            #[cfg(any(test, feature = "fault-injection"))]
-            let fail = fail_rank == Some(rank);
-            #[cfg(not(any(test, feature = "fault-injection")))]
-            let _ = fail_rank;
+            let rank_thread = RankThread { rank, shard, pool, comm: comm.clone(), fail: fail_rank == Some(rank) };
+            let (reply_tx, kv) = (reply_tx.clone(), (num_blocks, block_size));
             let join = thread::Builder::new()
                 .name(format!("tp-rank-{rank}"))
-                .spawn(move || {
-                    // Whatever panics in this thread (outside the step's own catch too)
-                    // releases the other ranks.
-                    let _poison_on_panic = PoisonOnPanic(comm.clone());
-                    let mut kv = shard.kv_store(num_blocks, block_size);
-                    for step in rx {
-                        let result = catch_unwind(AssertUnwindSafe(|| {
-                            #[cfg(any(test, feature = "fault-injection"))]
-                            if fail {
-                                panic!("rank {rank} failed on purpose ({FAIL_RANK_ENV}={rank})");
-                            }
-                            let seqs: Vec<SeqInput<'_>> = step
-                                .seqs
-                                .iter()
-                                .map(|(tokens, start, table, logits)| SeqInput {
-                                    tokens,
-                                    start: *start,
-                                    block_table: table,
-                                    logits: *logits,
-                                })
-                                .collect();
-                            pool.install(|| shard.forward_rank(&mut kv, &seqs, Some((comm.as_ref(), rank))))
-                        }));
-                        let reply = match result {
-                            Ok(Ok(logits)) => Ok(logits),
-                            Ok(Err(e)) => Err(e.to_string()),
-                            Err(panic) => Err(panic_message(panic.as_ref())),
-                        };
-                        let dead = reply.is_err();
-                        if dead {
-                            // Release the ranks waiting for this one in a collective.
-                            comm.poison();
-                        }
-                        if reply_tx.send((rank, reply)).is_err() || dead {
-                            return;
-                        }
-                    }
-                })
+                .spawn(move || rank_thread.run(rx, reply_tx, kv))
                 .map_err(|e| GroupError::Start { rank, reason: e.to_string() })?;
             steps.push(tx);
             handles.push(join);
@@ -241,6 +201,63 @@ impl Drop for TpGroup {
         self.steps.clear();
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+    }
+}
+
+/// What one rank's thread owns: its weight shard and rayon pool, the group's communicator.
+struct RankThread {
+    rank: usize,
+    shard: Llama,
+    pool: rayon::ThreadPool,
+    comm: Arc<ShmCommunicator>,
+    /// Panic at the first step (feature `fault-injection`; never set otherwise, and the
+    /// panic is not compiled in).
+    fail: bool,
+}
+
+impl RankThread {
+    /// The rank's loop: run each step it is handed on its K/V cache (`kv`: blocks, block
+    /// size) and reply; the first failure poisons the communicator and ends the loop.
+    fn run(self, steps: mpsc::Receiver<Arc<Step>>, replies: mpsc::Sender<Reply>, kv: (usize, usize)) {
+        let RankThread { rank, shard, pool, comm, fail } = self;
+        // Whatever panics in this thread (outside the step's own catch too) releases the
+        // other ranks.
+        let _poison_on_panic = PoisonOnPanic(comm.clone());
+        let mut kv = shard.kv_store(kv.0, kv.1);
+        for step in steps {
+            let result = catch_unwind(AssertUnwindSafe(|| {
+                #[cfg(any(test, feature = "fault-injection"))]
+                if fail {
+                    panic!("rank {rank} failed on purpose ({FAIL_RANK_ENV}={rank})");
+                }
+                #[cfg(not(any(test, feature = "fault-injection")))]
+                let _ = fail;
+                let seqs: Vec<SeqInput<'_>> = step
+                    .seqs
+                    .iter()
+                    .map(|(tokens, start, table, logits)| SeqInput {
+                        tokens,
+                        start: *start,
+                        block_table: table,
+                        logits: *logits,
+                    })
+                    .collect();
+                pool.install(|| shard.forward_rank(&mut kv, &seqs, Some((comm.as_ref(), rank))))
+            }));
+            let reply = match result {
+                Ok(Ok(logits)) => Ok(logits),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(panic) => Err(panic_message(panic.as_ref())),
+            };
+            let dead = reply.is_err();
+            if dead {
+                // Release the ranks waiting for this one in a collective.
+                comm.poison();
+            }
+            if replies.send((rank, reply)).is_err() || dead {
+                return;
+            }
         }
     }
 }

@@ -4,49 +4,63 @@
 
 use std::sync::Arc;
 
-use super::gguf::GgufFile;
+use super::gguf::{GgufFile, Header};
 use super::llama::{cfg_err, tensor_err, LayerNames, LayerWeights, Llama, LlamaConfig, ModelError, RopeStyle};
 use super::quant::dequantize_row;
 use super::tensor::Matrix;
 
+/// What GGUF calls the tensors of a block (`blk.{i}.{part}.weight`).
+const GGUF_LAYER: LayerNames = LayerNames {
+    attn_norm: "attn_norm",
+    q: "attn_q",
+    k: "attn_k",
+    v: "attn_v",
+    o: "attn_output",
+    ffn_norm: "ffn_norm",
+    gate: "ffn_gate",
+    up: "ffn_up",
+    down: "ffn_down",
+};
+
+/// The model's shape from the `llama.*` metadata (the vocabulary from the embedding's rows).
+fn gguf_config(h: &Header) -> Result<LlamaConfig, ModelError> {
+    let arch = h.str("general.architecture")?;
+    if arch != "llama" {
+        return Err(cfg_err("general.architecture", format!("{arch} (only llama is supported)")));
+    }
+    let count = |key: &str| -> Result<usize, ModelError> {
+        let v = h.u64(&format!("llama.{key}"))?;
+        usize::try_from(v).ok().filter(|&v| v > 0).ok_or_else(|| cfg_err(key, format!("{v} is not a positive count")))
+    };
+    let dim = count("embedding_length")?;
+    let n_heads = count("attention.head_count")?;
+    let n_kv_heads = count("attention.head_count_kv").unwrap_or(n_heads);
+    if !dim.is_multiple_of(n_heads) || !n_heads.is_multiple_of(n_kv_heads) {
+        return Err(cfg_err("attention.head_count", format!("{dim} dims, {n_heads} heads, {n_kv_heads} kv heads")));
+    }
+    let vocab = h.tensor("token_embd.weight").ok_or_else(|| tensor_err("token_embd.weight", "missing"))?.rows();
+    Ok(LlamaConfig {
+        n_layers: count("block_count")?,
+        dim,
+        ffn_dim: count("feed_forward_length")?,
+        n_heads,
+        n_kv_heads,
+        vocab,
+        max_ctx: count("context_length")?,
+        rope_theta: h.f64("llama.rope.freq_base").unwrap_or(10000.0) as f32,
+        eps: h.f64("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f32,
+        rope: RopeStyle::Interleaved,
+    })
+}
+
 impl Llama {
-    /// Load a GGUF llama model.
+    /// Load a GGUF llama model: its shape from the metadata, its weights as views of the
+    /// mapped file (norms dequantized to f32), every shape checked.
     pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
         let h = &file.header;
-        let arch = h.str("general.architecture")?;
-        if arch != "llama" {
-            return Err(cfg_err("general.architecture", format!("{arch} (only llama is supported)")));
-        }
-        let count = |key: &str| -> Result<usize, ModelError> {
-            let v = h.u64(&format!("llama.{key}"))?;
-            usize::try_from(v)
-                .ok()
-                .filter(|&v| v > 0)
-                .ok_or_else(|| cfg_err(key, format!("{v} is not a positive count")))
-        };
-        let dim = count("embedding_length")?;
-        let n_heads = count("attention.head_count")?;
-        let n_kv_heads = count("attention.head_count_kv").unwrap_or(n_heads);
-        if !dim.is_multiple_of(n_heads) || !n_heads.is_multiple_of(n_kv_heads) {
-            return Err(cfg_err("attention.head_count", format!("{dim} dims, {n_heads} heads, {n_kv_heads} kv heads")));
-        }
-        let map = file.map();
-        let buf: Arc<dyn AsRef<[u8]> + Send + Sync> = map;
-        let embed_info =
-            h.tensor("token_embd.weight").ok_or_else(|| tensor_err("token_embd.weight", "missing"))?.clone();
-        let vocab = embed_info.rows();
-        let cfg = LlamaConfig {
-            n_layers: count("block_count")?,
-            dim,
-            ffn_dim: count("feed_forward_length")?,
-            n_heads,
-            n_kv_heads,
-            vocab,
-            max_ctx: count("context_length")?,
-            rope_theta: h.f64("llama.rope.freq_base").unwrap_or(10000.0) as f32,
-            eps: h.f64("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f32,
-            rope: RopeStyle::Interleaved,
-        };
+        let cfg = gguf_config(h)?;
+        let (vocab, dim) = (cfg.vocab, cfg.dim);
+        let buf: Arc<dyn AsRef<[u8]> + Send + Sync> = file.map();
         let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix, ModelError> {
             let t = h.tensor(name).ok_or_else(|| tensor_err(name, "missing"))?;
             if t.dims.len() != 2 || t.row_len() != cols || t.rows() != rows {
@@ -62,17 +76,6 @@ impl Llama {
             let mut out = vec![0.0; n];
             dequantize_row(t.ty, file.data(t), &mut out)?;
             Ok(out)
-        };
-        const GGUF_LAYER: LayerNames = LayerNames {
-            attn_norm: "attn_norm",
-            q: "attn_q",
-            k: "attn_k",
-            v: "attn_v",
-            o: "attn_output",
-            ffn_norm: "ffn_norm",
-            gate: "ffn_gate",
-            up: "ffn_up",
-            down: "ffn_down",
         };
         let layers = (0..cfg.n_layers)
             .map(|i| LayerWeights::load(&cfg, |part| format!("blk.{i}.{part}.weight"), &GGUF_LAYER, &matrix, &vector))
