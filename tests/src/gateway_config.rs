@@ -120,9 +120,8 @@ impl ApiKey {
 
 /// Default `listen`: any free port on loopback.
 pub const LISTEN_ANY_PORT: &str = "127.0.0.1:0";
-/// Default `admin_listen`: any free port on another loopback address, because the gateway's
-/// validation refuses an `admin_listen` string equal to `listen`'s, port 0 or not.
-pub const ADMIN_LISTEN_ANY_PORT: &str = "127.0.0.2:0";
+/// Default `admin_listen`: any free port on loopback (the gateway prints which it got).
+pub const ADMIN_LISTEN_ANY_PORT: &str = "127.0.0.1:0";
 
 /// Top-level keys the builder writes itself.
 const TYPED_KEYS: &[&str] =

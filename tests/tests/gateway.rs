@@ -232,6 +232,21 @@ async fn a_client_leaving_through_the_gateway_frees_the_engine_request() {
     );
 }
 
+/// Regression: before any engine was scraped (starting up, or none reachable since), a
+/// request for a model was answered 404 `model_not_found` — no engine had said which models
+/// it serves yet, so none could be known. It is a 503 with `Retry-After` now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn before_any_engine_told_its_models_a_request_is_503_not_404() {
+    let nobody = format!("http://127.0.0.1:{}", free_port());
+    let g = GatewayProc::start(&GatewayConfigBuilder::new().backends([nobody.as_str()]));
+    let r = send(g.addr, "POST", "/v1/completions", json!({"model": MODEL, "prompt": "a"}).to_string().into_bytes())
+        .await;
+    let status = r.status;
+    let v = r.json().await;
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"]["type"], "service_unavailable", "{v}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_openai_errors_and_never_a_5xx() {
     let engine = EngineProc::start(&["--sim-profile", "instant"]);

@@ -141,7 +141,13 @@ impl ProxyApp {
     fn pick(&self, active: &Arc<Active>, plan: &RoutePlan, ctx: &mut RequestCtx) -> Result<Pick, ProxyError> {
         let (mut candidates, known) = routable(active, &plan.model, &ctx.tried);
         if !known {
-            return Err(ProxyError::ModelNotFound(plan.model.clone()));
+            // Before any backend has told its models (none scraped yet: starting up, or
+            // every engine unreachable since), nobody can say the model does not exist.
+            return Err(if active.cluster.models().is_empty() {
+                ProxyError::NoBackend(plan.model.clone())
+            } else {
+                ProxyError::ModelNotFound(plan.model.clone())
+            });
         }
         if candidates.is_empty() {
             return Err(ctx.last_error.take().unwrap_or_else(|| ProxyError::NoBackend(plan.model.clone())));
