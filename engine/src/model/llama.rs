@@ -347,9 +347,8 @@ impl Llama {
     /// the partial outputs of O and down are summed over `comm`, and rank 0 gathers the
     /// logits (other ranks return none). `None`: the whole model, no collectives.
     ///
-    /// The steps: [`embed`](Self::embed) the tokens, then per block
-    /// [`attention_block`](Self::attention_block) and [`mlp_block`](Self::mlp_block) (each
-    /// adds its output to the residual stream), then [`gather_logits`](Self::gather_logits).
+    /// The steps: `embed` the tokens, then per block `attention_block` and `mlp_block`
+    /// (each adds its output to the residual stream), then `gather_logits`.
     pub fn forward_rank(
         &self,
         kv: &mut KvStore,

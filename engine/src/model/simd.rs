@@ -1,4 +1,4 @@
-//! Dot-product kernels chosen at run time: x86-64 AVX2 + FMA ([`avx2`]) and AVX-512 VNNI
+//! Dot-product kernels chosen at run time: x86-64 AVX2 + FMA (`avx2`) and AVX-512 VNNI
 //! (`vnni512`, `attn512`), with the portable kernels of [`super::quant`] as the fallback and
 //! the reference they are tested against.
 //!
@@ -204,7 +204,7 @@ pub fn attend(k: Kernel, shape: AttnShape, q: &[f32], out: &mut [f32], kv: KvRow
 /// Attention of consecutive query rows of one sequence (`q`, `out`: `lens.len()` rows of
 /// `n_heads × head_dim`): row `i` attends to the first `lens[i]` slots of `kv` (non-decreasing,
 /// the last row's being all of them). With the AVX-512 kernel and a head size of 64 or 128,
-/// tiles of rows share every K/V load ([`attn512`]); otherwise one row at a time. Either way
+/// tiles of rows share every K/V load (`attn512`); otherwise one row at a time. Either way
 /// a row's result does not depend on the rows it is computed with.
 pub fn attend_rows(
     k: Kernel,
