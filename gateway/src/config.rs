@@ -769,16 +769,6 @@ impl GatewayConfig {
         self.upstream_tls.check_files(&mut errs);
         errs.into_result()
     }
-
-    /// `listen` as an address (validated).
-    pub fn listen_addr(&self) -> SocketAddr {
-        self.listen.parse().expect("validated")
-    }
-
-    /// `admin_listen` as an address (validated).
-    pub fn admin_addr(&self) -> SocketAddr {
-        self.admin_listen.parse().expect("validated")
-    }
 }
 
 impl ScrapeConfig {
