@@ -239,8 +239,8 @@ async fn a_client_leaving_through_the_gateway_frees_the_engine_request() {
 async fn before_any_engine_told_its_models_a_request_is_503_not_404() {
     let nobody = format!("http://127.0.0.1:{}", free_port());
     let g = GatewayProc::start(&GatewayConfigBuilder::new().backends([nobody.as_str()]));
-    let r = send(g.addr, "POST", "/v1/completions", json!({"model": MODEL, "prompt": "a"}).to_string().into_bytes())
-        .await;
+    let r =
+        send(g.addr, "POST", "/v1/completions", json!({"model": MODEL, "prompt": "a"}).to_string().into_bytes()).await;
     let status = r.status;
     let v = r.json().await;
     assert_eq!(status, 503, "{v}");

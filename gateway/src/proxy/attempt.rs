@@ -90,17 +90,23 @@ impl Drop for InflightGuard<'_> {
 
 impl ProxyApp {
     /// Attempts until one answers (then stream it) or none is left; true when the client
-    /// connection may be reused. `ticket` (the admission queue's) is let go once the
-    /// request is counted in flight.
+    /// connection may be reused. `plan` was made under `planned_with`; a reload since (while
+    /// the request waited in the queue) re-fits it to the policy now in force. `ticket` (the
+    /// admission queue's) is let go once the request is counted in flight.
     pub(super) async fn attempt_loop(
         &self,
         s: &mut ServerSession,
         ctx: &mut RequestCtx,
-        plan: &RoutePlan,
+        plan: &mut RoutePlan,
+        planned_with: &Arc<Active>,
         body: &Bytes,
         mut ticket: Option<Ticket>,
     ) -> bool {
         let active = self.state.active.load_full();
+        if !Arc::ptr_eq(&active, planned_with) {
+            plan.fit_policy(s.req_header(), body, &active);
+        }
+        let plan = &*plan;
         self.state.retry_budget.lock().record_request(Instant::now());
         loop {
             let pick = match self.pick(&active, plan, ctx) {

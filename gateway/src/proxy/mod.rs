@@ -198,12 +198,7 @@ impl ProxyApp {
             Ok(t) => t,
             Err(e) => return self.fail(s, e, ctx).await,
         };
-        let active = self.state.active.load();
-        if !Arc::ptr_eq(&active, &planned_with) {
-            plan.fit_policy(s.req_header(), &body, &active);
-        }
-        drop(active);
-        self.attempt_loop(s, ctx, &plan, &body, ticket).await
+        self.attempt_loop(s, ctx, &mut plan, &planned_with, &body, ticket).await
     }
 
     /// Phase `read_and_plan`: the body, its [`RoutePlan`], and the tenant's token charge.
