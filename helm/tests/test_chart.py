@@ -16,7 +16,7 @@
    way the kubelet would — a self-signed certificate made with `openssl`, a keys.yaml — in a
    temporary directory, and the mount paths in the config are pointed there first.
 
-Usage: test_chart.py GATEWAY_BINARY (scripts/test-chart.sh sets up Python 3.12 and runs it).
+Usage: test_chart.py GATEWAY_BINARY (scripts/test-chart.sh sets up its venv on python3 >= 3.11 and runs it).
 Exits non-zero with every failure listed.
 """
 import asyncio
