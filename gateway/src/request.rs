@@ -16,8 +16,8 @@ pub struct RoutingFields {
     pub model: Option<String>,
     /// `stream`.
     pub stream: bool,
-    /// `max_tokens` (or `max_completion_tokens`) when it is a non-negative integer; other
-    /// values are left for the engine to reject.
+    /// `max_completion_tokens` (else `max_tokens`, the engines' precedence) when it is a
+    /// non-negative integer; other values are left for the engine to reject.
     pub max_tokens: Option<u64>,
 }
 
@@ -61,7 +61,9 @@ pub fn routing_fields(body: &[u8]) -> Result<RoutingFields, ProxyError> {
             other => return Err(ProxyError::BadRequest(format!("stream must be a boolean, got {}", truncate(other)))),
         },
     };
-    let max_tokens = raw.max_tokens.or(raw.max_completion_tokens).and_then(|v| v.get().parse::<u64>().ok());
+    // The engines' precedence (vLLM, ours): `max_completion_tokens` first. Charging
+    // `max_tokens` first let `{"max_tokens":1,"max_completion_tokens":100000}` pay for one.
+    let max_tokens = raw.max_completion_tokens.or(raw.max_tokens).and_then(|v| v.get().parse::<u64>().ok());
     Ok(RoutingFields { model, stream, max_tokens })
 }
 
@@ -225,6 +227,8 @@ mod tests {
         assert_eq!(routing_fields(b" {}").unwrap(), RoutingFields { model: None, stream: false, max_tokens: None });
         assert_eq!(routing_fields(br#"{"max_tokens":7}"#).unwrap().max_tokens, Some(7));
         assert_eq!(routing_fields(br#"{"max_completion_tokens":9}"#).unwrap().max_tokens, Some(9));
+        let both = br#"{"max_tokens":1,"max_completion_tokens":100000}"#;
+        assert_eq!(routing_fields(both).unwrap().max_tokens, Some(100_000), "the engine's precedence");
         assert_eq!(routing_fields(br#"{"max_tokens":-1}"#).unwrap().max_tokens, None);
         assert_eq!(routing_fields(br#"{"max_tokens":1e99}"#).unwrap().max_tokens, None);
     }

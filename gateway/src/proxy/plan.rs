@@ -65,7 +65,7 @@ pub fn plan_request(
         .or(tenant.map(|t| t.priority))
         .unwrap_or(0);
     let prompt_charge = cfg.prefix_index.tokens(body.len());
-    let charge = prompt_charge + fields.max_tokens.unwrap_or(cfg.auth.default_max_tokens);
+    let charge = prompt_charge.saturating_add(fields.max_tokens.unwrap_or(cfg.auth.default_max_tokens));
     let mut plan = RoutePlan {
         model,
         stream: fields.stream,
@@ -144,6 +144,15 @@ mod tests {
         let a = active("policy:\n  type: round_robin\n");
         let p = plan_request(&head(&[]), br#"{"prompt":"once upon a time, long ago"}"#, &a, None).unwrap();
         assert!(p.hashes.is_empty() && p.prompt_tokens == 0);
+    }
+
+    #[test]
+    fn the_charge_follows_the_engines_precedence_and_never_overflows() {
+        let a = active("");
+        let p = plan_request(&head(&[]), br#"{"max_tokens":1,"max_completion_tokens":100000}"#, &a, None).unwrap();
+        assert_eq!(p.charge, p.prompt_charge + 100_000);
+        let p = plan_request(&head(&[]), br#"{"max_tokens":18446744073709551615,"prompt":"a"}"#, &a, None).unwrap();
+        assert_eq!(p.charge, u64::MAX);
     }
 
     #[test]
