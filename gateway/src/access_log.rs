@@ -50,6 +50,9 @@ pub struct AccessLine<'a> {
     pub tenant: Option<&'a str>,
     /// Error kind.
     pub error: Option<&'a str>,
+    /// `X-Request-Id` of a completion (the client's or the gateway's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<&'a str>,
 }
 
 /// Buffered JSON-lines sink.
@@ -134,6 +137,7 @@ mod tests {
             retries: 0,
             tenant: None,
             error: None,
+            request_id: None,
         }
     }
 

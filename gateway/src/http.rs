@@ -19,6 +19,14 @@ pub(crate) const HOP_BY_HOP: &[&str] = &[
     "content-length",
 ];
 
+/// Client headers that never reach an engine: credentials and session state meant for the
+/// edge (with API keys on, `authorization` is the tenant's key and is dropped too).
+pub(crate) const EDGE_ONLY: &[&str] = &["proxy-authorization", "cookie"];
+
+/// The request id header: a client's is kept, else the gateway makes one; the engine gets
+/// it, the access log records it and the response carries it back.
+pub(crate) const REQUEST_ID: &str = "x-request-id";
+
 /// Write a complete small response; true when it was written.
 pub(crate) async fn respond(
     s: &mut ServerSession,
@@ -27,7 +35,22 @@ pub(crate) async fn respond(
     body: Bytes,
     retry_after: Option<u64>,
 ) -> bool {
-    let Ok(mut resp) = ResponseHeader::build(status, Some(4)) else { return false };
+    respond_with(s, status, content_type, body, retry_after, None).await
+}
+
+/// [`respond`] carrying the request's id back.
+pub(crate) async fn respond_with(
+    s: &mut ServerSession,
+    status: u16,
+    content_type: &str,
+    body: Bytes,
+    retry_after: Option<u64>,
+    request_id: Option<&str>,
+) -> bool {
+    let Ok(mut resp) = ResponseHeader::build(status, Some(5)) else { return false };
+    if let Some(id) = request_id {
+        let _ = resp.insert_header(REQUEST_ID, id);
+    }
     let _ = resp.insert_header("content-type", content_type);
     let _ = resp.insert_header("content-length", body.len().to_string());
     if let Some(secs) = retry_after {

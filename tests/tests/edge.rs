@@ -474,3 +474,50 @@ async fn h2c_can_be_turned_off() {
     assert!(refused, "an h2c request was served with h2c off");
     assert_eq!(send(g.addr, "GET", "/-/healthz", "").await.status, 200, "HTTP/1.1 still works");
 }
+
+/// What reaches an engine (#24): never the tenant's key, cookies, proxy credentials or a
+/// header the client's `Connection` names; always where the request came from
+/// (`X-Forwarded-For`, `X-Forwarded-Proto`) and its `X-Request-Id`, which the client gets back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_never_see_the_edges_credentials_and_learn_where_requests_came_from() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let url = engine.url();
+    let g = GatewayProc::start(&config(&url).api_key(ApiKey::new("a", &sha256(KEY_A))));
+    wait_scraped(&g, 1).await;
+    let auth = format!("Bearer {KEY_A}");
+    let headers = [
+        ("authorization", auth.as_str()),
+        ("cookie", "session=s3cr3t"),
+        ("proxy-authorization", "Basic eDp5"),
+        ("connection", "keep-alive, x-internal"),
+        ("x-internal", "1"),
+        ("x-forwarded-for", "203.0.113.9"),
+        ("x-request-id", "client-id-7"),
+    ];
+    let r = send_with(g.addr, "POST", "/v1/completions", &headers, small().to_string()).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.headers.get("x-request-id").map(|v| v.to_str().unwrap()), Some("client-id-7"));
+    r.text().await;
+    // Without a client id the gateway makes one, sends it on and returns it.
+    let r = call(g.addr, Some(KEY_A), &small()).await;
+    let made = r.headers.get("x-request-id").expect("a request id").to_str().unwrap().to_string();
+    r.text().await;
+
+    let seen = engine.seen.requests.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    let head = |i: usize| {
+        let text = String::from_utf8_lossy(&seen[i]).to_ascii_lowercase();
+        text.split("\r\n\r\n").next().unwrap().to_string()
+    };
+    let first = head(0);
+    for secret in ["authorization:", "sk-team-a", "cookie:", "s3cr3t", "proxy-authorization:", "x-internal:"] {
+        assert!(!first.contains(secret), "the engine saw {secret:?}:\n{first}");
+    }
+    assert!(first.contains("x-forwarded-for: 203.0.113.9, 127.0.0.1"), "{first}");
+    assert!(first.contains("x-forwarded-proto: http\r\n"), "{first}");
+    assert!(first.contains("x-request-id: client-id-7"), "{first}");
+    assert!(head(1).contains(&format!("x-request-id: {}", made.to_ascii_lowercase())), "{}", head(1));
+    // The access log is written out every second.
+    eventually("the access log records the request id", async || g.log().contains("\"request_id\":\"client-id-7\""))
+        .await;
+}

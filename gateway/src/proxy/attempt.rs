@@ -116,7 +116,8 @@ impl ProxyApp {
             let backend = active.cluster.backends[pick.index].clone();
             let mut inflight = InflightGuard::new(&backend, pick.uncached, pick.work, plan.stream);
             drop(ticket.take());
-            match self.exchange(s, &backend, &ctx.path, body, &active.config).await {
+            let id = ctx.request_id.as_deref().unwrap_or("");
+            match self.exchange(s, &backend, &ctx.path, body, &active.config, id).await {
                 Ok(up) if self.retry_status(&active, plan, ctx, pick.index, &up) => {}
                 Ok(up) => return self.stream(s, up, &active, pick.index, ctx, &mut inflight).await,
                 Err(AttemptError::Refused(error)) => return self.fail(s, error, ctx).await,
@@ -257,6 +258,7 @@ impl ProxyApp {
         path: &str,
         body: &Bytes,
         cfg: &GatewayConfig,
+        request_id: &str,
     ) -> Result<HttpSession, AttemptError> {
         let Some(peer) = &backend.peer else {
             let error = ProxyError::Upstream(format!("{} does not resolve", backend.authority));
@@ -278,7 +280,13 @@ impl ProxyApp {
         // The connector does not carry the peer's read/write timeouts over to the session.
         up.read_timeout = Some(cfg.timeouts.first_byte());
         up.write_timeout = Some(cfg.timeouts.idle());
-        let req = super::upstream_request(s.req_header(), path, &backend.authority, body.len())
+        let fwd = super::Forwarded {
+            peer: s.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip()),
+            proto: if cfg.tls.is_some() { "https" } else { "http" },
+            request_id,
+            strip_authorization: cfg.auth.enabled(),
+        };
+        let req = super::upstream_request(s.req_header(), path, &backend.authority, body.len(), &fwd)
             .map_err(|e| AttemptError::Refused(ProxyError::BadRequest(format!("cannot forward this request: {e}"))))?;
         let sent = async {
             up.write_request_header(Box::new(req)).await?;

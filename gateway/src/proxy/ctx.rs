@@ -53,6 +53,8 @@ pub(crate) struct RequestCtx {
     pub retries: u32,
     /// Error label for metrics and the access log.
     pub error_kind: Option<&'static str>,
+    /// `X-Request-Id` (the client's, else made here), for completions.
+    pub request_id: Option<String>,
 }
 
 impl RequestCtx {
@@ -78,12 +80,25 @@ impl RequestCtx {
             chunks: 0,
             retries: 0,
             error_kind: None,
+            request_id: None,
         }
     }
 
     /// The tenant's name, or "" without API keys.
     pub fn tenant_name(&self) -> &str {
         self.tenant.as_ref().map_or("", |t| t.name.as_str())
+    }
+
+    /// The client's `X-Request-Id` when it is one to keep (1 to 128 visible ASCII
+    /// characters), else a new random one.
+    pub fn take_request_id(&mut self, client: Option<&[u8]>) {
+        let id = match client {
+            Some(v) if !v.is_empty() && v.len() <= 128 && v.iter().all(|b| b.is_ascii_graphic()) => {
+                String::from_utf8_lossy(v).into_owned()
+            }
+            _ => format!("{:032x}", rand::random::<u128>()),
+        };
+        self.request_id = Some(id);
     }
 
     /// The client went away.

@@ -132,6 +132,9 @@ impl ProxyApp {
             active.cluster.backends[index].record_success();
         }
         let (mut resp, has_length, is_sse) = response_head(upstream)?;
+        if let Some(id) = &ctx.request_id {
+            let _ = resp.insert_header(crate::http::REQUEST_ID, id.as_str());
+        }
         // What the engine has sent already, taken without waiting. When that is the whole
         // body (a short or non-streamed answer), the response leaves with a Content-Length:
         // pingora then holds the header until the body is written and both go out in one
