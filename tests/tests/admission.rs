@@ -119,3 +119,25 @@ async fn requests_wait_while_every_engine_is_saturated() {
     }
     assert_eq!(metric(&scrape(g.admin).await, "switchyard_queue_depth"), 0.0);
 }
+
+/// A client that leaves while its request waits gives its place up at once: abandoned
+/// requests neither hold the queue nor inflate `switchyard_queue_depth`, which autoscaling
+/// reads (#24). The wait allowed (60 s) is far past the test's patience, so the gauge can only
+/// fall because the request left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_the_queue_gives_its_place_up_at_once() {
+    let port = free_port();
+    let g = gateway(port, 10, 60_000).await;
+    let addr = g.addr;
+    let waiting = tokio::spawn(async move {
+        post(addr, "/v1/completions", &json!({"model": "m", "prompt": "hello", "max_tokens": 3})).await
+    });
+    eventually("the request is queued", async || metric(&scrape(g.admin).await, "switchyard_queue_depth") == 1.0).await;
+    // The client goes away (its connection is dropped with the task).
+    waiting.abort();
+    let _ = waiting.await;
+    eventually("the abandoned request leaves the queue", async || {
+        metric(&scrape(g.admin).await, "switchyard_queue_depth") == 0.0
+    })
+    .await;
+}

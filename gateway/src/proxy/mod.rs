@@ -195,9 +195,14 @@ impl ProxyApp {
             Err(e) => return self.reject_or_fail(s, e, ctx).await,
         };
         // Hold the request while no engine can take it; then route on what is current.
-        let ticket = match self.queue(&plan.model, ctx.started, plan.priority).await {
-            Ok(t) => t,
-            Err(e) => return self.fail(s, e, ctx).await,
+        let ticket = match self.queue(s, &plan.model, ctx.started, plan.priority).await {
+            queue::Admitted::Go(t) => t,
+            queue::Admitted::Refused(e) => return self.fail(s, e, ctx).await,
+            queue::Admitted::ClientGone => {
+                ctx.status = 499;
+                ctx.client_gone();
+                return false;
+            }
         };
         self.attempt_loop(s, ctx, &mut plan, &planned_with, &body, ticket).await
     }

@@ -3,6 +3,8 @@
 
 use std::time::{Duration, Instant};
 
+use pingora::protocols::http::ServerSession;
+
 use crate::admission::Ticket;
 use crate::error::ProxyError;
 use crate::metrics::GatewayMetrics;
@@ -11,6 +13,16 @@ use super::{routable, ProxyApp};
 
 /// How often the first waiter looks at the cluster view again (scrapes update it).
 const RECHECK: Duration = Duration::from_millis(20);
+
+/// How a request leaves the queue.
+pub(super) enum Admitted {
+    /// An engine can take it; the ticket (if it queued) is let go once it is in flight.
+    Go(Option<Ticket>),
+    /// Refused (503 with `Retry-After`): the queue is full or the wait was too long.
+    Refused(ProxyError),
+    /// The client went away while waiting: its place is given up at once.
+    ClientGone,
+}
 
 /// Counts a request in the queue gauge and its wait in the histogram on every way out,
 /// the handler dropped mid-wait included.
@@ -27,16 +39,12 @@ impl ProxyApp {
     /// Returns at once when an engine is up and not saturated for `model` (or the model is
     /// unknown while others are known: a 404 is due) and nobody waits; else waits in
     /// priority order until it is first and an engine can take it, or until the deadline
-    /// (503 with `Retry-After`). The first waiter re-checks the cluster view every
-    /// [`RECHECK`] and whenever the waiter before it left. The ticket returned is kept
-    /// until the request is counted in flight on a backend, so the next waiter sees that
-    /// engine one request busier.
-    pub(super) async fn queue(
-        &self,
-        model: &str,
-        started: Instant,
-        priority: i32,
-    ) -> Result<Option<Ticket>, ProxyError> {
+    /// (503 with `Retry-After`), or until the client leaves (its place is given up at once, so
+    /// abandoned requests neither hold the queue nor inflate `switchyard_queue_depth`, which
+    /// autoscaling reads). The first waiter re-checks the cluster view every [`RECHECK`] and
+    /// whenever the waiter before it left. The ticket returned is kept until the request is
+    /// counted in flight on a backend, so the next waiter sees that engine one request busier.
+    pub(super) async fn queue(&self, s: &mut ServerSession, model: &str, started: Instant, priority: i32) -> Admitted {
         let ready = || {
             let active = self.state.active.load();
             let (candidates, known) = routable(&active, model, &[]);
@@ -47,10 +55,10 @@ impl ProxyApp {
         let adm = self.state.active.load().config.admission.clone();
         let queue = &self.state.queue;
         if adm.max_wait_ms == 0 || (queue.is_empty() && ready()) {
-            return Ok(None);
+            return Admitted::Go(None);
         }
         let Some(ticket) = queue.try_enter(priority, adm.max_queue) else {
-            return Err(ProxyError::NoBackend(model.to_string()));
+            return Admitted::Refused(ProxyError::NoBackend(model.to_string()));
         };
         let metrics = &self.state.metrics;
         metrics.queue_depth.inc();
@@ -59,12 +67,16 @@ impl ProxyApp {
         loop {
             let moved = queue.changed();
             if ticket.is_first() && ready() {
-                break Ok(Some(ticket));
+                break Admitted::Go(Some(ticket));
             }
             tokio::select! {
                 _ = moved => {}
                 _ = tokio::time::sleep(RECHECK) => {}
-                _ = tokio::time::sleep_until(deadline) => break Err(ProxyError::NoBackend(model.to_string())),
+                _ = tokio::time::sleep_until(deadline) => {
+                    break Admitted::Refused(ProxyError::NoBackend(model.to_string()));
+                }
+                // The body was read whole: anything the client does now is leaving.
+                _ = s.read_body_or_idle(true) => break Admitted::ClientGone,
             }
         }
     }
