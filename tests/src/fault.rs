@@ -44,6 +44,8 @@ pub struct Seen {
     pub open: AtomicUsize,
     /// Stalled exchanges whose connection the peer closed.
     pub stalls_closed: AtomicUsize,
+    /// Streamed answers cut off before their end because the peer closed the connection.
+    pub streams_cut: AtomicUsize,
 }
 
 /// A running fault engine; dropping it stops accepting.
@@ -130,8 +132,8 @@ async fn serve(mut stream: TcpStream, fault: Arc<Mutex<Fault>>, seen: Arc<Seen>)
             seen.requests.lock().unwrap().push(request.clone());
             let now = fault.lock().unwrap().clone();
             match now {
-                Fault::Healthy if streamed => sse(&mut stream, 3, 5).await,
-                Fault::Slow { events, gap_ms } => sse(&mut stream, events, gap_ms).await,
+                Fault::Healthy if streamed => sse(&mut stream, 3, 5, &seen).await,
+                Fault::Slow { events, gap_ms } => sse(&mut stream, events, gap_ms, &seen).await,
                 Fault::Healthy => {
                     let b = r#"{"id":"cmpl-f","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
                     write(&mut stream, 200, "application/json", b).await
@@ -217,13 +219,15 @@ async fn sse_events(stream: &mut TcpStream, n: usize, gap_ms: u64) -> bool {
     true
 }
 
-async fn sse(stream: &mut TcpStream, n: usize, gap_ms: u64) -> bool {
-    if !sse_events(stream, n, gap_ms).await {
-        return false;
-    }
+/// `n` events and `[DONE]`; a write failing on the way is counted in `streams_cut`.
+async fn sse(stream: &mut TcpStream, n: usize, gap_ms: u64, seen: &Seen) -> bool {
     let done = "data: [DONE]\n\n";
     let tail = format!("{:x}\r\n{done}\r\n0\r\n\r\n", done.len());
-    stream.write_all(tail.as_bytes()).await.is_ok()
+    let whole = sse_events(stream, n, gap_ms).await && stream.write_all(tail.as_bytes()).await.is_ok();
+    if !whole {
+        seen.streams_cut.fetch_add(1, Ordering::SeqCst);
+    }
+    whole
 }
 
 const METRICS: &str = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 0\n\
