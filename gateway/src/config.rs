@@ -523,8 +523,12 @@ pub struct AdmissionConfig {
     /// Longest wait of one request.
     pub max_wait_ms: u64,
     /// A request header carrying an integer priority (higher leaves the queue first);
-    /// without it a request has its API key's `priority`, else 0.
+    /// without it a request has its API key's `priority`, else 0. The header may only
+    /// lower a key's priority; without API keys it is capped at `max_header_priority`.
     pub priority_header: Option<String>,
+    /// Without API keys, the highest priority the priority header may ask for (a client
+    /// must not put itself ahead of everyone by sending a large number).
+    pub max_header_priority: i32,
     /// A backend whose scraped waiting queue is at least this is saturated (unset: never).
     pub saturated_waiting: Option<f64>,
     /// A backend whose scraped KV-cache usage is at least this is saturated (unset: never).
@@ -537,6 +541,7 @@ impl Default for AdmissionConfig {
             max_queue: DEFAULT_MAX_QUEUE,
             max_wait_ms: 0,
             priority_header: None,
+            max_header_priority: 0,
             saturated_waiting: None,
             saturated_kv_usage: None,
         }

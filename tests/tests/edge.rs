@@ -361,7 +361,10 @@ async fn the_admission_queue_lets_higher_priority_out_first() {
         &GatewayConfigBuilder::new()
             .backend_serving(&format!("http://127.0.0.1:{port}"), &["m"])
             .scrape_timeout_ms(300)
-            .section("admission", "{ max_queue: 10, max_wait_ms: 20000, priority_header: x-priority }")
+            .section(
+                "admission",
+                "{ max_queue: 10, max_wait_ms: 20000, priority_header: x-priority, max_header_priority: 10 }",
+            )
             .section("health", "{ max_inflight_per_backend: 1 }"),
     );
     eventually("the absent engine is marked down", async || backends(&g).await["backends"][0]["state"] == "down").await;

@@ -21,7 +21,8 @@ pub struct RoutePlan {
     pub stream: bool,
     /// `max_tokens` (or `max_completion_tokens`), when a non-negative integer.
     pub max_tokens: Option<u64>,
-    /// Admission priority: the priority header, else the tenant's, else 0.
+    /// Admission priority: the priority header (at most the tenant's, or without keys
+    /// `admission.max_header_priority`), else the tenant's, else 0.
     pub priority: i32,
     /// Token budget charge before routing: prompt estimate + max tokens (or the default).
     pub charge: u64,
@@ -56,14 +57,18 @@ pub fn plan_request(
             _ => return Err(ProxyError::BadRequest("model is required".into())),
         },
     };
-    let priority = cfg
+    // The header may lower a key's priority, never raise it; without keys it is capped.
+    let ceiling = tenant.map_or(cfg.admission.max_header_priority, |t| t.priority);
+    let asked = cfg
         .admission
         .priority_header
         .as_ref()
         .and_then(|h| head.headers.get(h.as_str()))
-        .and_then(|v| v.to_str().ok()?.trim().parse::<i32>().ok())
-        .or(tenant.map(|t| t.priority))
-        .unwrap_or(0);
+        .and_then(|v| v.to_str().ok()?.trim().parse::<i32>().ok());
+    let priority = match asked {
+        Some(p) => p.min(ceiling),
+        None => tenant.map_or(0, |t| t.priority),
+    };
     let prompt_charge = cfg.prefix_index.tokens(body.len());
     let charge = prompt_charge.saturating_add(fields.max_tokens.unwrap_or(cfg.auth.default_max_tokens));
     let mut plan = RoutePlan {
@@ -108,7 +113,7 @@ mod tests {
 
     fn active(extra: &str) -> Active {
         let yaml = format!(
-            "discovery:\n  static:\n    - url: http://127.0.0.1:9\n      models: [m]\nadmission:\n  priority_header: x-priority\n{extra}"
+            "discovery:\n  static:\n    - url: http://127.0.0.1:9\n      models: [m]\nadmission:\n  priority_header: x-priority\n  max_header_priority: 5\n{extra}"
         );
         Active::for_config(GatewayConfig::parse(&yaml).unwrap())
     }
@@ -153,6 +158,25 @@ mod tests {
         assert_eq!(p.charge, p.prompt_charge + 100_000);
         let p = plan_request(&head(&[]), br#"{"max_tokens":18446744073709551615,"prompt":"a"}"#, &a, None).unwrap();
         assert_eq!(p.charge, u64::MAX);
+    }
+
+    #[test]
+    fn a_priority_header_cannot_raise_a_request_past_the_cap() {
+        let a = active("");
+        let body = b"{\"model\":\"m\"}";
+        let asked = |v: &str| plan_request(&head(&[("x-priority", v)]), body, &a, None).unwrap().priority;
+        assert_eq!((asked("9"), asked("5"), asked("-2")), (5, 5, -2), "capped at max_header_priority");
+        let keys = Active::for_config(
+            GatewayConfig::parse(
+                "discovery:\n  static:\n    - url: http://127.0.0.1:9\n      models: [m]\nadmission:\n  priority_header: x-priority\n  max_header_priority: 100\nauth:\n  keys:\n    - { tenant: t, key_sha256: \"9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08\", priority: 3 }\n",
+            )
+            .unwrap(),
+        );
+        let tenant = keys.auth.authenticate(Some(b"Bearer test")).unwrap().unwrap();
+        let with_key =
+            |v: &str| plan_request(&head(&[("x-priority", v)]), body, &keys, Some(&tenant)).unwrap().priority;
+        assert_eq!((with_key("50"), with_key("1")), (3, 1), "a key's priority can only be lowered");
+        assert_eq!(plan_request(&head(&[]), body, &keys, Some(&tenant)).unwrap().priority, 3);
     }
 
     #[test]
