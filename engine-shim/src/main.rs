@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use switchyard_shim::process::terminated;
-use switchyard_shim::sidecar::{parse_engine_url, run, Sidecar, SidecarConfig};
+use switchyard_shim::sidecar::{parse_engine_url, run, AccessPolicy, Sidecar, SidecarConfig};
 use switchyard_shim::Dialect;
 
 /// Which engine sits behind the sidecar.
@@ -66,6 +66,14 @@ struct Args {
     /// The model the engine must list before the pod is ready (default: any).
     #[arg(long)]
     served_model_name: Option<String>,
+    /// Also forward paths under PREFIX to the engine (repeatable). By default only inference
+    /// routes are (the OpenAI `/v1/*` inference routes, `/tokenize`, `/detokenize`,
+    /// `/v1/models`, `/health`); `/` forwards every path.
+    #[arg(long = "allow-path", value_name = "PREFIX")]
+    allow_paths: Vec<String>,
+    /// A caller sending this token in `X-Switchyard-Admin-Token` reaches every engine path.
+    #[arg(long, env = "SWITCHYARD_SHIM_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
@@ -93,6 +101,7 @@ async fn main() -> Result<(), Infallible> {
         served_model_name: args.served_model_name.clone(),
         scrape_interval: Duration::from_millis(args.scrape_interval_ms),
         drain_timeout: args.drain_timeout,
+        access: AccessPolicy::new(&args.allow_paths, args.admin_token.as_deref()),
     };
     let sidecar = Sidecar::new(config).unwrap_or_else(|e| {
         eprintln!("switchyard-shim: {e}");

@@ -51,7 +51,8 @@ SCENARIOS["everything-on"] = {
                 "drain": {"gracePeriodSeconds": 40, "closeListenersAfterMs": 8000},
                 "service": {"type": "NodePort", "nodePort": 30080}},
     "serviceMonitor": {"enabled": True}, "networkPolicy": {"enabled": True},
-    "engine": {"replicas": 3, "shim": {"drainTimeoutSeconds": 60}},
+    "engine": {"replicas": 3, "shim": {"drainTimeoutSeconds": 60, "allowPaths": ["/v1/load_lora_adapter"],
+                                       "adminTokenSecret": "shim-admin"}},
 }
 
 with open(os.path.join(CHART, "values.yaml")) as fh:
@@ -212,6 +213,16 @@ def check_scenario(name, values, release, objs, gateway_bin):
         check(spec["terminationGracePeriodSeconds"] > drain + 5,
               f"{tag} terminationGracePeriodSeconds ({spec['terminationGracePeriodSeconds']}) outlasts preStop + drain ({drain})")
         check("preStop" in shim.get("lifecycle", {}), f"{tag} the shim has a preStop")
+        shim_values = merged(DEFAULTS["engine"]["shim"], values.get("engine", {}).get("shim", {}))
+        allowed = [a.split("=", 1)[1] for a in shim["args"] if a.startswith("--allow-path=")]
+        check(allowed == shim_values["allowPaths"], f"{tag} the shim's --allow-path flags are allowPaths: {allowed}")
+        token_env = [e for e in shim.get("env", []) if e["name"] == "SWITCHYARD_SHIM_ADMIN_TOKEN"]
+        if shim_values["adminTokenSecret"]:
+            check(len(token_env) == 1 and token_env[0]["valueFrom"]["secretKeyRef"]
+                  == {"name": shim_values["adminTokenSecret"], "key": "token"},
+                  f"{tag} the shim's admin token comes from the Secret {shim_values['adminTokenSecret']}")
+        else:
+            check(not token_env, f"{tag} without adminTokenSecret the shim has no admin token")
         dshm = next((v for v in spec["volumes"] if v["name"] == "dshm"), None)
         check(dshm and dshm["emptyDir"].get("medium") == "Memory", f"{tag} /dev/shm is a memory emptyDir")
         check(sts[0]["spec"].get("volumeClaimTemplates"), f"{tag} the model cache is a PVC")

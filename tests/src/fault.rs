@@ -36,6 +36,8 @@ pub enum Fault {
 /// What the engine has seen.
 #[derive(Debug, Default)]
 pub struct Seen {
+    /// Every request line read (`GET /metrics HTTP/1.1`, scrapes included), in order.
+    pub lines: Mutex<Vec<String>>,
     /// POST requests read (head and body, as received).
     pub requests: Mutex<Vec<Vec<u8>>>,
     /// Connections accepted (scrapes included).
@@ -119,6 +121,7 @@ async fn serve(mut stream: TcpStream, fault: Arc<Mutex<Fault>>, seen: Arc<Seen>)
         let request: Vec<u8> = buf.drain(..head_len + body_len).collect();
         let head = String::from_utf8_lossy(&request[..head_len]).to_string();
         let line = head.lines().next().unwrap_or("").to_string();
+        seen.lines.lock().unwrap().push(line.clone());
         let ok = if line.starts_with("GET /metrics") {
             write(&mut stream, 200, "text/plain", METRICS).await
         } else if line.starts_with("GET /v1/models") {

@@ -1,7 +1,8 @@
 //! `switchyard-shim` in front of a real engine process: readiness follows the engine and
 //! its model list, `/metrics` and `/load` carry the normalized load, the API is proxied
 //! without buffering while in-flight requests are counted, a dialect mismatch is reported,
-//! and SIGTERM drains: not ready at once, the open stream finishes, exit 0.
+//! and SIGTERM drains: not ready at once, the open stream finishes, exit 0. Only inference
+//! routes reach the engine unless the caller holds the admin token.
 
 use std::time::{Duration, Instant};
 
@@ -150,4 +151,49 @@ async fn a_gateway_reading_sidecars_stops_routing_to_a_draining_pod() {
     assert_eq!(pod(&backends(&g).await)["routed"].as_u64().unwrap(), before, "no new request reached the draining pod");
     let rest = open.events().await;
     assert!(rest.iter().any(|(_, e)| e == "[DONE]"), "the draining pod finished its stream");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sidecar_forwards_inference_routes_only_and_admin_routes_with_the_token() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let shim = ShimProc::start(
+        &engine.url(),
+        &["--scrape-interval-ms", "50", "--admin-token", "s3cret", "--allow-path", "/reset_prefix_cache"],
+    );
+    wait_status(shim.addr, "/-/healthz", 200).await;
+    let reached = |what: &str| engine.seen.lines.lock().unwrap().iter().any(|l| l.contains(what));
+
+    // vLLM's admin routes, and tricks a normalizing router could read as one, are refused
+    // with 403 in the OpenAI shape and never reach the engine.
+    for path in [
+        "/collective_rpc",
+        "/sleep",
+        "/v1/load_lora_adapter",
+        "/v1/models/../collective_rpc",
+        "/v1/models/%2e%2e/collective_rpc",
+        "/v1/chat/completions/..%2F..%2Fsleep",
+    ] {
+        let r = send(shim.addr, "POST", path, "{}").await;
+        assert_eq!(r.status, 403, "{path}");
+        let err = r.json().await;
+        assert_eq!(err["error"]["type"], "permission_error", "{path}: {err}");
+        let r = send_with(shim.addr, "POST", path, &[("x-switchyard-admin-token", "wrong")], "{}").await;
+        assert_eq!(r.status, 403, "{path} with a wrong token");
+    }
+    assert!(!reached("collective_rpc") && !reached("sleep") && !reached("lora"), "{:?}", engine.seen.lines);
+    let (_, metrics) = status(shim.addr, "/metrics").await;
+    assert_eq!(metric(&parse_metrics(&metrics), "switchyard_shim_refused_requests_total"), 12.0);
+
+    // Inference routes pass; so does what --allow-path adds.
+    let r = post(shim.addr, "/v1/completions", &json!({"prompt": "hi", "max_tokens": 2})).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(send(shim.addr, "POST", "/reset_prefix_cache", "").await.status, 200, "the engine answered");
+    assert!(reached("POST /v1/completions ") && reached("POST /reset_prefix_cache "));
+
+    // The admin token opens the rest, and is not passed on.
+    let r = send_with(shim.addr, "POST", "/collective_rpc", &[("x-switchyard-admin-token", "s3cret")], "{}").await;
+    assert_eq!(r.status, 200, "the fault engine answers every POST");
+    assert!(reached("POST /collective_rpc "));
+    let last = engine.seen.requests.lock().unwrap().last().cloned().unwrap();
+    assert!(!String::from_utf8_lossy(&last).to_ascii_lowercase().contains("x-switchyard-admin-token"));
 }

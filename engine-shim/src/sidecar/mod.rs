@@ -4,7 +4,9 @@
 //!
 //! What it does:
 //!
-//! - **Proxy** (`proxy.rs`): every path but its own three goes to the engine unbuffered; a
+//! - **Access** (`access.rs`): only inference routes reach the engine by default; more with
+//!   `--allow-path`, every path with the admin token. The rest get 403 and never reach it.
+//! - **Proxy** (`proxy.rs`): every allowed path but its own three goes to the engine unbuffered; a
 //!   request counts in flight (`in_flight.rs`) until its response body ends, and the first
 //!   body chunk is timed (TTFT, `switchyard_shim_ttft_seconds`). An unreachable engine
 //!   answers 502 in the OpenAI error shape.
@@ -21,6 +23,7 @@
 //!
 //! The knobs are the fields of [`SidecarConfig`].
 
+mod access;
 mod drain;
 mod error;
 mod in_flight;
@@ -44,6 +47,7 @@ use axum::Router;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 
+pub use access::{Access, AccessPolicy, ADMIN_TOKEN_HEADER, INFERENCE_ROUTES};
 pub use error::SidecarError;
 
 use crate::expose::{load_json, metrics_text, SidecarState};
@@ -73,6 +77,8 @@ pub struct SidecarConfig {
     pub scrape_interval: Duration,
     /// How long in-flight requests get to finish after the shutdown signal.
     pub drain_timeout: Duration,
+    /// Which paths reach the engine, and the admin token that reaches the rest.
+    pub access: AccessPolicy,
 }
 
 /// Parse `--engine-url`: it must be an absolute `http://HOST:PORT` URL.
@@ -98,6 +104,7 @@ pub struct Sidecar {
     draining: AtomicBool,
     scraped: Mutex<ScrapeSnapshot>,
     ttft: prometheus::Histogram,
+    refused: prometheus::IntCounter,
     registry: prometheus::Registry,
 }
 
@@ -117,6 +124,11 @@ impl Sidecar {
             .buckets(TTFT_BUCKETS.to_vec()),
         )?;
         registry.register(Box::new(ttft.clone()))?;
+        let refused = prometheus::IntCounter::new(
+            "switchyard_shim_refused_requests_total",
+            "Requests answered 403 because their path is not forwarded to the engine.",
+        )?;
+        registry.register(Box::new(refused.clone()))?;
         Ok(Sidecar {
             config,
             client: Client::builder(TokioExecutor::new()).build_http(),
@@ -125,6 +137,7 @@ impl Sidecar {
             draining: AtomicBool::new(false),
             scraped: Mutex::new(ScrapeSnapshot::default()),
             ttft,
+            refused,
             registry,
         })
     }

@@ -1,5 +1,8 @@
-//! The proxy: every request the sidecar does not answer itself goes to the engine, unbuffered.
+//! The proxy: every request the sidecar does not answer itself goes to the engine, unbuffered,
+//! if [`super::access`] allows it.
 //!
+//! - A refused path is answered 403 in the OpenAI error shape (type `permission_error`) and
+//!   counted on `switchyard_shim_refused_requests_total`; nothing reaches the engine.
 //! - The request is forwarded as it came (method, headers, body streamed) to the same path
 //!   and query on the engine, with `Host` set to the engine's authority, over HTTP/1.1.
 //! - The engine's response is passed back frame by frame ([`Tracked`]), so an SSE stream
@@ -22,6 +25,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use hyper::body::{Body as HttpBody, Frame, Incoming};
 
+use super::access::{Access, ADMIN_TOKEN_HEADER};
 use super::in_flight::InFlightGuard;
 use super::Sidecar;
 use crate::openai_error::error_body;
@@ -37,6 +41,14 @@ pub(crate) fn engine_uri(engine: &Uri, path_and_query: &str) -> Result<Uri, axum
 pub(crate) fn engine_unreachable(why: &dyn std::fmt::Display) -> Response {
     let body = error_body(&format!("engine unreachable: {why}"), "service_unavailable", None, None);
     (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response()
+}
+
+/// The 403 answer for a path the sidecar does not forward.
+pub(crate) fn path_refused(path: &str) -> Response {
+    let msg = format!(
+        "{path} is not forwarded to the engine: only inference routes are (the sidecar's --allow-path widens that)"
+    );
+    (StatusCode::FORBIDDEN, axum::Json(error_body(&msg, "permission_error", None, None))).into_response()
 }
 
 /// The engine's response body, passed through frame by frame, holding its request's
@@ -73,9 +85,15 @@ impl HttpBody for Tracked {
 /// The fallback handler: forward `req` to the engine and stream its answer back.
 pub(crate) async fn proxy(State(sh): State<Arc<Sidecar>>, req: Request) -> Response {
     let started = Instant::now();
+    let token = req.headers().get(ADMIN_TOKEN_HEADER).map(|v| v.as_bytes());
+    if sh.config.access.decide(req.uri().path(), token) == Access::Refuse {
+        sh.refused.inc();
+        return path_refused(req.uri().path());
+    }
     let guard = sh.in_flight.enter();
     let pq = req.uri().path_and_query().map_or("/", |p| p.as_str()).to_string();
     let (mut parts, body) = req.into_parts();
+    parts.headers.remove(ADMIN_TOKEN_HEADER);
     parts.uri = match engine_uri(&sh.config.engine, &pq) {
         Ok(u) => u,
         Err(e) => return (StatusCode::BAD_REQUEST, format!("bad request target: {e}")).into_response(),

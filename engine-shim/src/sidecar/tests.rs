@@ -82,13 +82,15 @@ impl FakeEngine {
                     ([(header::CONTENT_TYPE, "text/event-stream")], Body::new(ChannelBody(rx))).into_response()
                 }),
             )
-            .route(
-                "/echo",
-                get(|headers: HeaderMap, uri: axum::http::Uri| async move {
-                    format!("{} {uri}", headers[header::HOST].to_str().unwrap())
-                }),
-            )
+            .route("/tokenize", get(echo))
+            .route("/collective_rpc", get(echo))
     }
+}
+
+/// The fake engine's echo: the Host it got, the target, and whether an admin token arrived.
+async fn echo(headers: HeaderMap, uri: axum::http::Uri) -> String {
+    let token = if headers.contains_key(ADMIN_TOKEN_HEADER) { " +token" } else { "" };
+    format!("{} {uri}{token}", headers[header::HOST].to_str().unwrap())
 }
 
 /// Serve `router` on a fresh loopback port.
@@ -111,6 +113,7 @@ fn config(engine: SocketAddr) -> SidecarConfig {
         served_model_name: None,
         scrape_interval: MIN_SCRAPE_INTERVAL,
         drain_timeout: Duration::from_secs(20),
+        access: AccessPolicy::new(&[], None),
     }
 }
 
@@ -181,7 +184,41 @@ async fn a_request_counts_in_flight_until_its_body_ends_and_ttft_is_observed_onc
     drop(tx);
 
     // Path and query pass through; Host is the engine's.
-    assert_eq!(text(addr, "/echo?x=1").await, (StatusCode::OK, format!("{engine} /echo?x=1")));
+    assert_eq!(text(addr, "/tokenize?x=1").await, (StatusCode::OK, format!("{engine} /tokenize?x=1")));
+}
+
+#[tokio::test]
+async fn admin_paths_need_the_token_and_the_token_never_reaches_the_engine() {
+    let (engine, _fake) = fake_engine().await;
+    let sh = sidecar(SidecarConfig { access: AccessPolicy::new(&[], Some("s3cret")), ..config(engine) });
+    let addr = serve(app(sh.clone())).await;
+
+    let (status, body) = text(addr, "/collective_rpc").await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let err: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(err["error"]["type"], "permission_error", "{body}");
+    let (_, metrics) = text(addr, "/metrics").await;
+    assert!(metrics.contains("switchyard_shim_refused_requests_total 1"), "{metrics}");
+
+    let with_token = |path: &'static str, token: &'static str| {
+        let client: Client<HttpConnector, Body> = Client::builder(TokioExecutor::new()).build_http();
+        async move {
+            let req = Request::get(format!("http://{addr}{path}"))
+                .header(ADMIN_TOKEN_HEADER, token)
+                .body(Body::empty())
+                .unwrap();
+            let resp = client.request(req).await.unwrap();
+            let status = resp.status();
+            (status, String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap())
+        }
+    };
+    assert_eq!(with_token("/collective_rpc", "s3cret").await, (StatusCode::OK, format!("{engine} /collective_rpc")));
+    assert_eq!(with_token("/collective_rpc", "guess").await.0, StatusCode::FORBIDDEN);
+    assert_eq!(
+        with_token("/tokenize", "guess").await,
+        (StatusCode::OK, format!("{engine} /tokenize")),
+        "an inference route passes whatever the token, and the header is removed"
+    );
 }
 
 #[tokio::test]
