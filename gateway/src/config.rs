@@ -24,6 +24,12 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 /// Default `limits.max_body_bytes` (16 MiB).
 pub const DEFAULT_MAX_BODY_BYTES: u64 = 16 * 1024 * 1024;
+/// Default `limits.max_buffered_body_bytes` (256 MiB).
+pub const DEFAULT_MAX_BUFFERED_BODY_BYTES: u64 = 256 * 1024 * 1024;
+/// Default `limits.max_messages` (OpenAI's limit on a chat's messages).
+pub const DEFAULT_MAX_MESSAGES: usize = 2048;
+/// Default `limits.max_prompt_items` (2^20 prompts or token ids).
+pub const DEFAULT_MAX_PROMPT_ITEMS: usize = 1 << 20;
 /// Default `discovery.resolve_interval_ms`.
 pub const DEFAULT_RESOLVE_INTERVAL_MS: u64 = 5000;
 /// Default `discovery.dns.interval_ms`.
@@ -429,6 +435,14 @@ pub struct LimitsConfig {
     pub max_headers: usize,
     /// Reading the whole request body (408 past it).
     pub body_read_timeout_ms: u64,
+    /// Request bodies held by the whole process at once (they are buffered whole, for
+    /// retries): past it a request gets 503 with `Retry-After` before its body is read.
+    pub max_buffered_body_bytes: u64,
+    /// Most entries in a chat's `messages` (400 above it).
+    pub max_messages: usize,
+    /// Most items in a completion's `prompt`: prompts or token ids, those of nested arrays
+    /// counted (400 above it).
+    pub max_prompt_items: usize,
 }
 
 impl Default for LimitsConfig {
@@ -439,6 +453,9 @@ impl Default for LimitsConfig {
             max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
             max_headers: DEFAULT_MAX_HEADERS,
             body_read_timeout_ms: DEFAULT_BODY_READ_TIMEOUT_MS,
+            max_buffered_body_bytes: DEFAULT_MAX_BUFFERED_BODY_BYTES,
+            max_messages: DEFAULT_MAX_MESSAGES,
+            max_prompt_items: DEFAULT_MAX_PROMPT_ITEMS,
         }
     }
 }
@@ -447,6 +464,20 @@ impl LimitsConfig {
     fn validate(&self, errs: &mut Errors) {
         if self.max_body_bytes == 0 {
             errs.add("limits.max_body_bytes", 0, "must be > 0");
+        }
+        if self.max_buffered_body_bytes < self.max_body_bytes {
+            errs.add(
+                "limits.max_buffered_body_bytes",
+                self.max_buffered_body_bytes,
+                format!("must be >= limits.max_body_bytes ({})", self.max_body_bytes),
+            );
+        }
+        for (name, v) in
+            [("limits.max_messages", self.max_messages), ("limits.max_prompt_items", self.max_prompt_items)]
+        {
+            if v == 0 {
+                errs.add(name, 0, "must be > 0");
+            }
         }
         if self.max_header_bytes < 1024 {
             errs.add("limits.max_header_bytes", self.max_header_bytes, "must be >= 1024");
@@ -472,6 +503,11 @@ impl LimitsConfig {
     /// Request body deadline.
     pub fn body_read_timeout(&self) -> Duration {
         Duration::from_millis(self.body_read_timeout_ms)
+    }
+
+    /// The prompt size limits.
+    pub fn prompt_limits(&self) -> crate::request::PromptLimits {
+        crate::request::PromptLimits { max_messages: self.max_messages, max_prompt_items: self.max_prompt_items }
     }
 }
 

@@ -95,6 +95,21 @@ pub enum ProxyError {
         /// The limit.
         limit: u64,
     },
+    /// A prompt array over `limits.max_messages` or `limits.max_prompt_items` (400).
+    #[error("Invalid '{param}': too many {what}. Expected at most {max}, but got {got} instead.")]
+    TooLong {
+        /// The request field.
+        param: &'static str,
+        /// What its entries are.
+        what: &'static str,
+        /// The limit.
+        max: usize,
+        /// What the request has.
+        got: usize,
+    },
+    /// Bodies being buffered process-wide are at `limits.max_buffered_body_bytes` (503).
+    #[error("the gateway is buffering too many request bodies; retry shortly")]
+    BodyBufferFull,
     /// The client did not send its body in time (408).
     #[error("the request body was not received within {0} ms")]
     BodyTimeout(u64),
@@ -214,15 +229,20 @@ impl ProxyError {
         }
     }
 
+    /// `param` of the request has `got` entries (`what`), more than `max`.
+    pub fn too_long(param: &'static str, what: &'static str, max: usize, got: usize) -> Self {
+        ProxyError::TooLong { param, what, max, got }
+    }
+
     /// HTTP status.
     pub fn status(&self) -> u16 {
         match self {
-            ProxyError::BadRequest(_) => 400,
+            ProxyError::BadRequest(_) | ProxyError::TooLong { .. } => 400,
             ProxyError::BodyTooLarge { .. } => 413,
             ProxyError::BodyTimeout(_) => 408,
             ProxyError::ModelNotFound(_) | ProxyError::NoRoute(_) => 404,
             ProxyError::MethodNotAllowed(_) => 405,
-            ProxyError::NoBackend(_) => 503,
+            ProxyError::NoBackend(_) | ProxyError::BodyBufferFull => 503,
             ProxyError::Upstream(_) => 502,
             ProxyError::UpstreamTimeout(_) => 504,
             ProxyError::Unauthorized(_) => 401,
@@ -237,6 +257,8 @@ impl ProxyError {
         match self {
             ProxyError::BadRequest(_) => "bad_request",
             ProxyError::BodyTooLarge { .. } => "body_too_large",
+            ProxyError::TooLong { .. } => "prompt_too_long",
+            ProxyError::BodyBufferFull => "body_buffer_full",
             ProxyError::BodyTimeout(_) => "body_timeout",
             ProxyError::ModelNotFound(_) => "model_not_found",
             ProxyError::NoRoute(_) => "no_route",
@@ -277,7 +299,11 @@ impl ProxyError {
 
     /// OpenAI-shaped JSON body.
     pub fn body(&self) -> String {
-        let param = matches!(self, ProxyError::ModelNotFound(_)).then_some("model");
+        let param = match self {
+            ProxyError::ModelNotFound(_) => Some("model"),
+            ProxyError::TooLong { param, .. } => Some(*param),
+            _ => None,
+        };
         switchyard_shim::openai_error::error_body(&self.to_string(), self.error_type(), param, self.code()).to_string()
     }
 
@@ -289,7 +315,7 @@ impl ProxyError {
     /// Seconds a client should wait before retrying (503, 429).
     pub fn retry_after_secs(&self) -> Option<u64> {
         match self {
-            ProxyError::NoBackend(_) => Some(1),
+            ProxyError::NoBackend(_) | ProxyError::BodyBufferFull => Some(1),
             ProxyError::RateLimited { retry_after_secs, .. } => Some(*retry_after_secs),
             _ => None,
         }

@@ -6,8 +6,9 @@
 //!
 //! Input layout: the bytes up to the first `\0` are a request head (as pingora hands it
 //! over), the rest is the body. Invariants checked besides "no panic": a plan only comes
-//! from a JSON object, the block hashes of the canonical prompt cover it, the prefix index
-//! answers for what was inserted, and every policy's pick is a candidate.
+//! from a JSON object, the canonical prompt's streaming visitor renders what a document tree
+//! of the same body renders, the block hashes of the canonical prompt cover it, the prefix
+//! index answers for what was inserted, and every policy's pick is a candidate.
 
 use pingora::http::RequestHeader;
 
@@ -16,7 +17,7 @@ use crate::config::GatewayConfig;
 use crate::policy::{Candidate, PolicyConfig, RouteInput};
 use crate::prefix::PrefixTracker;
 use crate::proxy::plan_request;
-use crate::request::{canonical_prompt, check_head, UsageMeter};
+use crate::request::{canonical_prompt, canonical_prompt_from_tree, check_head, UsageMeter};
 use crate::state::Active;
 
 /// The config the fuzz target plans under: one backend serving `m`, the default `cost`
@@ -62,6 +63,10 @@ pub fn request_path(data: &[u8]) {
     );
     let authorization = head.split(|&b| b == b'\n').find_map(|l| l.strip_prefix(b"Authorization: "));
     let tenant = auth.authenticate(authorization).ok().flatten();
+
+    if let Some(tree) = canonical_prompt_from_tree(body) {
+        assert_eq!(canonical_prompt(body), tree, "the streaming visitor renders what the tree does");
+    }
 
     let Some(req) = request_header(head) else { return };
     let active = Active::for_config(GatewayConfig::parse(CONFIG).expect("the fuzz config is valid"));

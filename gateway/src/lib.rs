@@ -22,6 +22,7 @@ pub(crate) mod access_log;
 pub(crate) mod admin;
 pub(crate) mod admission;
 pub(crate) mod auth;
+pub(crate) mod body_budget;
 pub(crate) mod cluster;
 pub mod config;
 pub(crate) mod discovery;

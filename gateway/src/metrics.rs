@@ -50,6 +50,8 @@ pub struct GatewayMetrics {
     pub certificate_reloads: IntCounterVec,
     /// Connections closed for not sending a request header within the deadline.
     pub header_timeouts: IntCounter,
+    /// Request body bytes buffered now, process-wide (`limits.max_buffered_body_bytes`).
+    pub buffered_body_bytes: IntGauge,
     inflight: IntGaugeVec,
     waiting: GaugeVec,
     kv_usage: GaugeVec,
@@ -117,6 +119,10 @@ impl GatewayMetrics {
                 "switchyard_header_timeouts_total",
                 "Connections closed because a request header did not arrive within limits.header_read_timeout_ms.",
             )?,
+            buffered_body_bytes: IntGauge::new(
+                "switchyard_buffered_body_bytes",
+                "Request body bytes held by the gateway now (limits.max_buffered_body_bytes caps it).",
+            )?,
             inflight: IntGaugeVec::new(
                 Opts::new("switchyard_backend_inflight", "Requests in flight per backend."),
                 &["backend"],
@@ -143,6 +149,7 @@ impl GatewayMetrics {
         m.registry.register(Box::new(m.queue_wait.clone()))?;
         m.registry.register(Box::new(m.rejected.clone()))?;
         m.registry.register(Box::new(m.header_timeouts.clone()))?;
+        m.registry.register(Box::new(m.buffered_body_bytes.clone()))?;
         m.registry.register(Box::new(m.certificate_reloads.clone()))?;
         m.registry.register(Box::new(m.prefix_match_ratio.clone()))?;
         m.registry.register(Box::new(m.prefix_index_bytes.clone()))?;

@@ -15,6 +15,7 @@ use pingora::connectors::http::v1::Connector;
 use crate::access_log::AccessLog;
 use crate::admission::AdmissionQueue;
 use crate::auth::Authenticator;
+use crate::body_budget::BodyBudget;
 use crate::cluster::{BackendSpec, ClusterView};
 use crate::config::GatewayConfig;
 #[cfg(any(test, feature = "fuzzing"))]
@@ -94,6 +95,8 @@ pub struct GatewayState {
     pub discovered: ArcSwap<Vec<String>>,
     /// Requests waiting for an engine.
     pub queue: Arc<AdmissionQueue>,
+    /// Request body bytes held, against `limits.max_buffered_body_bytes`.
+    pub bodies: Arc<BodyBudget>,
     /// Retries spent against requests made.
     pub retry_budget: Mutex<RetryBudget>,
 }
@@ -115,6 +118,7 @@ impl GatewayState {
             active: Arc::new(ArcSwap::from_pointee(Active::new(config, cluster, auth))),
             connector: Connector::new(Some(connector_options)),
             pool: crate::pool::UpstreamPool::new(UPSTREAM_MAX_IDLE, UPSTREAM_IDLE),
+            bodies: BodyBudget::new(metrics.buffered_body_bytes.clone()),
             metrics,
             lifecycle: Arc::default(),
             access_log: AccessLog::stdout(),

@@ -43,6 +43,9 @@ struct Entry {
     stamp: u64,
 }
 
+/// Blocks inserted between two evictions while one prompt goes in.
+const EVICT_EVERY: u64 = 1024;
+
 /// The index. See the module documentation.
 #[derive(Debug, Clone)]
 pub struct PrefixIndex {
@@ -82,6 +85,11 @@ impl PrefixIndex {
                 self.backend_refs += 1;
             }
             self.recency.push_back((h, stamp));
+            // A long prompt is bounded while it goes in, not only once it is in: its
+            // blocks would otherwise all be held before the first eviction.
+            if self.clock.is_multiple_of(EVICT_EVERY) {
+                self.evict();
+            }
         }
         self.compact_if_sparse();
         self.evict();

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::auth::Tenant;
+use crate::body_budget::BodyReservation;
 use crate::error::ProxyError;
 use crate::request::UsageMeter;
 
@@ -55,6 +56,8 @@ pub(crate) struct RequestCtx {
     pub error_kind: Option<&'static str>,
     /// `X-Request-Id` (the client's, else made here), for completions.
     pub request_id: Option<String>,
+    /// The body's bytes in the process-wide buffer budget, given back with the context.
+    pub body_held: Option<BodyReservation>,
 }
 
 impl RequestCtx {
@@ -81,6 +84,7 @@ impl RequestCtx {
             retries: 0,
             error_kind: None,
             request_id: None,
+            body_held: None,
         }
     }
 

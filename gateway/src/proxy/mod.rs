@@ -35,6 +35,7 @@ use pingora::server::ShutdownWatch;
 
 use crate::access_log::AccessLine;
 use crate::auth::Denied;
+use crate::body_budget::{BodyBudget, BodyReservation};
 use crate::cluster::BackendState;
 use crate::config::GatewayConfig;
 use crate::error::ProxyError;
@@ -215,13 +216,13 @@ impl ProxyApp {
         ctx: &mut RequestCtx,
     ) -> Result<(Bytes, RoutePlan, Arc<Active>), ProxyError> {
         let active = self.state.active.load_full();
-        let body = read_body(s, &active.config).await?;
+        let body = read_body(s, &active.config, &self.state.bodies, &mut ctx.body_held).await?;
         ctx.request_bytes = body.len();
         let plan = plan_request(s.req_header(), &body, &active, ctx.tenant.as_deref());
         if let Ok(p) = &plan {
             ctx.stream = p.stream;
             ctx.model = Some(p.model.clone());
-        } else if let Ok(f) = crate::request::routing_fields(&body) {
+        } else if let Ok(f) = crate::request::routing_fields(&body, &active.config.limits.prompt_limits()) {
             ctx.stream = f.stream;
         }
         let plan = plan?;
@@ -237,7 +238,7 @@ impl ProxyApp {
     /// [`Self::reject`] for the gateway's own refusals (limits, keys, rates), [`Self::fail`]
     /// for everything else.
     async fn reject_or_fail(&self, s: &mut ServerSession, e: ProxyError, ctx: &mut RequestCtx) -> bool {
-        if matches!(e, ProxyError::RateLimited { .. }) {
+        if matches!(e, ProxyError::RateLimited { .. } | ProxyError::BodyBufferFull) {
             self.reject(s, e, ctx).await
         } else {
             self.fail(s, e, ctx).await
@@ -353,21 +354,31 @@ fn routable(active: &Active, model: &str, tried: &[usize]) -> (Vec<crate::policy
     (candidates, known)
 }
 
-/// Read the request body within the size cap and deadline.
-async fn read_body(s: &mut ServerSession, cfg: &GatewayConfig) -> Result<Bytes, ProxyError> {
+/// Read the request body within the size cap, the process-wide buffer cap and the
+/// deadline. The buffer's bytes are held in `held` (a declared length before any byte is
+/// read; a chunked body's allocation as it grows) until the request ends.
+async fn read_body(
+    s: &mut ServerSession,
+    cfg: &GatewayConfig,
+    bodies: &Arc<BodyBudget>,
+    held: &mut Option<BodyReservation>,
+) -> Result<Bytes, ProxyError> {
     let limit = cfg.limits.max_body_bytes;
-    if let Some(cl) = s.get_header("content-length") {
-        let declared: u64 = cl
+    let cap = cfg.limits.max_buffered_body_bytes;
+    let declared = match s.get_header("content-length") {
+        None => 0,
+        Some(cl) => cl
             .to_str()
             .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .ok_or_else(|| ProxyError::BadRequest("invalid Content-Length".into()))?;
-        if declared > limit {
-            return Err(ProxyError::BodyTooLarge { limit });
-        }
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .ok_or_else(|| ProxyError::BadRequest("invalid Content-Length".into()))?,
+    };
+    if declared > limit {
+        return Err(ProxyError::BodyTooLarge { limit });
     }
+    let reservation = held.insert(bodies.reserve(declared, cap).ok_or(ProxyError::BodyBufferFull)?);
     let read = async {
-        let mut buf = BytesMut::new();
+        let mut buf = BytesMut::with_capacity(declared as usize);
         while let Some(chunk) = s
             .read_request_body()
             .await
@@ -375,6 +386,10 @@ async fn read_body(s: &mut ServerSession, cfg: &GatewayConfig) -> Result<Bytes, 
         {
             if (buf.len() + chunk.len()) as u64 > limit {
                 return Err(ProxyError::BodyTooLarge { limit });
+            }
+            buf.reserve(chunk.len());
+            if !reservation.grow_to(buf.capacity() as u64, cap) {
+                return Err(ProxyError::BodyBufferFull);
             }
             buf.extend_from_slice(&chunk);
         }

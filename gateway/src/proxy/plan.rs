@@ -49,7 +49,7 @@ pub fn plan_request(
     tenant: Option<&Tenant>,
 ) -> Result<RoutePlan, ProxyError> {
     let cfg = &active.config;
-    let fields = routing_fields(body)?;
+    let fields = routing_fields(body, &cfg.limits.prompt_limits())?;
     let model = match fields.model {
         Some(m) => m,
         None => match active.cluster.models().as_slice() {

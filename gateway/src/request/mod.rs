@@ -1,13 +1,25 @@
-//! What routing needs from a request body, parsed without copying the body.
+//! What routing needs from a request body, parsed without copying the body and without a
+//! document tree: the routing fields and prompt sizes here, the canonical prompt in
+//! [`prompt`].
 //!
-//! The body itself is forwarded byte for byte; this only extracts `model` and `stream`,
-//! and checks that the body is a JSON object (so malformed input gets a 400 from the
-//! gateway instead of costing an engine a connection).
+//! The body itself is forwarded byte for byte; this only extracts `model`, `stream` and the
+//! token limit, counts the prompt's messages and items against [`PromptLimits`], and checks
+//! that the body is a JSON object (so malformed input gets a 400 from the gateway instead
+//! of costing an engine a connection).
 
+mod prompt;
+
+use std::fmt;
+
+use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::error::ProxyError;
+
+pub use prompt::canonical_prompt;
+#[cfg(feature = "fuzzing")]
+pub use prompt::canonical_prompt_from_tree;
 
 /// Routing fields of an OpenAI request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,6 +33,22 @@ pub struct RoutingFields {
     pub max_tokens: Option<u64>,
 }
 
+/// How large a prompt may be, in items: what `limits.max_messages` and
+/// `limits.max_prompt_items` allow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptLimits {
+    /// Entries of `messages`.
+    pub max_messages: usize,
+    /// Items of `prompt`: its strings or token ids, counting those of nested arrays.
+    pub max_prompt_items: usize,
+}
+
+impl PromptLimits {
+    /// No limit (the fuzz target and tests that are not about limits).
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub const NONE: PromptLimits = PromptLimits { max_messages: usize::MAX, max_prompt_items: usize::MAX };
+}
+
 #[derive(Deserialize)]
 struct Raw<'a> {
     #[serde(borrow)]
@@ -31,10 +59,12 @@ struct Raw<'a> {
     max_tokens: Option<&'a RawValue>,
     #[serde(borrow)]
     max_completion_tokens: Option<&'a RawValue>,
+    messages: Option<Items>,
+    prompt: Option<Items>,
 }
 
-/// Parse the routing fields; the error names what is wrong.
-pub fn routing_fields(body: &[u8]) -> Result<RoutingFields, ProxyError> {
+/// Parse the routing fields and check the prompt's size; the error names what is wrong.
+pub fn routing_fields(body: &[u8], limits: &PromptLimits) -> Result<RoutingFields, ProxyError> {
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
     if first != Some(&b'{') {
         return Err(ProxyError::BadRequest("request body must be a JSON object".into()));
@@ -45,6 +75,16 @@ pub fn routing_fields(body: &[u8]) -> Result<RoutingFields, ProxyError> {
     })?;
     let raw: Raw<'_> = serde_json::from_str(text)
         .map_err(|e| ProxyError::BadRequest(format!("request body is not valid JSON: {e}")))?;
+    if let Some(Items { top, .. }) = raw.messages {
+        if top > limits.max_messages {
+            return Err(ProxyError::too_long("messages", "an array", limits.max_messages, top));
+        }
+    }
+    if let Some(Items { all, .. }) = raw.prompt {
+        if all > limits.max_prompt_items {
+            return Err(ProxyError::too_long("prompt", "prompts or token ids", limits.max_prompt_items, all));
+        }
+    }
     let model = match raw.model {
         None => None,
         Some(v) if v.get() == "null" => None,
@@ -65,6 +105,81 @@ pub fn routing_fields(body: &[u8]) -> Result<RoutingFields, ProxyError> {
     // `max_tokens` first let `{"max_tokens":1,"max_completion_tokens":100000}` pay for one.
     let max_tokens = raw.max_completion_tokens.or(raw.max_tokens).and_then(|v| v.get().parse::<u64>().ok());
     Ok(RoutingFields { model, stream, max_tokens })
+}
+
+/// How many items a value holds, counted while it is skipped: `top`, the entries of an
+/// array (0 for anything else); `all`, those entries with each nested array counted by its
+/// own entries (`[[1,2],[3]]`: top 2, all 3).
+struct Items {
+    array: bool,
+    top: usize,
+    all: usize,
+}
+
+/// A value that is not an array: one item of its parent.
+const ONE: Items = Items { array: false, top: 0, all: 1 };
+
+impl<'de> Deserialize<'de> for Items {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(CountItems { nested: true })
+    }
+}
+
+/// Counts an array's entries (and, when `nested`, those of the arrays in it); any other
+/// value is skipped and counts as one item of its parent.
+struct CountItems {
+    nested: bool,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for CountItems {
+    type Value = Items;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Items, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for CountItems {
+    type Value = Items;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any value")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Items, A::Error> {
+        let (mut top, mut all) = (0usize, 0usize);
+        if self.nested {
+            while let Some(inner) = seq.next_element_seed(CountItems { nested: false })? {
+                top += 1;
+                all = all.saturating_add(if inner.array { inner.top } else { 1 });
+            }
+        } else {
+            while seq.next_element::<IgnoredAny>()?.is_some() {
+                top += 1;
+            }
+            all = top;
+        }
+        Ok(Items { array: true, top, all })
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Items, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(ONE)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Items, E> {
+        Ok(ONE)
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Items, E> {
+        Ok(ONE)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Items, E> {
+        Ok(ONE)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Items, E> {
+        Ok(ONE)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Items, E> {
+        Ok(ONE)
+    }
+    fn visit_unit<E>(self) -> Result<Items, E> {
+        Ok(ONE)
+    }
 }
 
 /// Checks of a request head that pingora's parser leaves to us: the size and field count
@@ -136,78 +251,6 @@ impl UsageMeter {
     }
 }
 
-#[derive(Deserialize)]
-struct PromptParts {
-    #[serde(default)]
-    messages: Option<Vec<Message>>,
-    #[serde(default)]
-    prompt: Option<serde_json::Value>,
-}
-
-#[derive(Deserialize)]
-struct Message {
-    #[serde(default)]
-    role: Option<String>,
-    #[serde(default)]
-    content: Option<serde_json::Value>,
-}
-
-/// The canonical prompt text that prefix routing hashes: a completion's `prompt` (an array
-/// of prompts joined by newlines; token ids written as numbers), or a chat's whole
-/// conversation, every message in order as `<|role|>\n{content}\n` (content parts of type
-/// text concatenated). Two requests share a prefix of this text exactly when they share the
-/// corresponding prefix of conversation, which is what an engine's prefix cache rewards.
-/// Empty when the body has neither (the engine will reject it anyway).
-pub fn canonical_prompt(body: &[u8]) -> String {
-    let Ok(parts) = serde_json::from_slice::<PromptParts>(body) else { return String::new() };
-    let mut out = String::new();
-    if let Some(messages) = parts.messages {
-        for m in messages {
-            out.push_str("<|");
-            out.push_str(m.role.as_deref().unwrap_or(""));
-            out.push_str("|>\n");
-            if let Some(c) = &m.content {
-                push_content(&mut out, c);
-            }
-            out.push('\n');
-        }
-    } else if let Some(p) = &parts.prompt {
-        push_content(&mut out, p);
-    }
-    out
-}
-
-fn push_content(out: &mut String, v: &serde_json::Value) {
-    use serde_json::Value;
-    match v {
-        Value::String(s) => out.push_str(s),
-        Value::Array(items) => {
-            for (i, item) in items.iter().enumerate() {
-                match item {
-                    Value::Object(o) => {
-                        if let Some(Value::String(t)) = o.get("text") {
-                            out.push_str(t);
-                        }
-                    }
-                    Value::Number(n) => {
-                        if i > 0 {
-                            out.push(' ');
-                        }
-                        out.push_str(&n.to_string());
-                    }
-                    other => {
-                        if i > 0 {
-                            out.push('\n');
-                        }
-                        push_content(out, other);
-                    }
-                }
-            }
-        }
-        _ => {}
-    }
-}
-
 fn truncate(s: &str) -> &str {
     let mut end = s.len().min(40);
     while !s.is_char_boundary(end) {
@@ -222,15 +265,26 @@ mod tests {
 
     #[test]
     fn extracts_model_and_stream() {
-        let f = routing_fields(br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#).unwrap();
+        let f = routing_fields(
+            br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#,
+            &PromptLimits::NONE,
+        )
+        .unwrap();
         assert_eq!(f, RoutingFields { model: Some("m".into()), stream: true, max_tokens: None });
-        assert_eq!(routing_fields(b" {}").unwrap(), RoutingFields { model: None, stream: false, max_tokens: None });
-        assert_eq!(routing_fields(br#"{"max_tokens":7}"#).unwrap().max_tokens, Some(7));
-        assert_eq!(routing_fields(br#"{"max_completion_tokens":9}"#).unwrap().max_tokens, Some(9));
+        assert_eq!(
+            routing_fields(b" {}", &PromptLimits::NONE).unwrap(),
+            RoutingFields { model: None, stream: false, max_tokens: None }
+        );
+        assert_eq!(routing_fields(br#"{"max_tokens":7}"#, &PromptLimits::NONE).unwrap().max_tokens, Some(7));
+        assert_eq!(routing_fields(br#"{"max_completion_tokens":9}"#, &PromptLimits::NONE).unwrap().max_tokens, Some(9));
         let both = br#"{"max_tokens":1,"max_completion_tokens":100000}"#;
-        assert_eq!(routing_fields(both).unwrap().max_tokens, Some(100_000), "the engine's precedence");
-        assert_eq!(routing_fields(br#"{"max_tokens":-1}"#).unwrap().max_tokens, None);
-        assert_eq!(routing_fields(br#"{"max_tokens":1e99}"#).unwrap().max_tokens, None);
+        assert_eq!(
+            routing_fields(both, &PromptLimits::NONE).unwrap().max_tokens,
+            Some(100_000),
+            "the engine's precedence"
+        );
+        assert_eq!(routing_fields(br#"{"max_tokens":-1}"#, &PromptLimits::NONE).unwrap().max_tokens, None);
+        assert_eq!(routing_fields(br#"{"max_tokens":1e99}"#, &PromptLimits::NONE).unwrap().max_tokens, None);
     }
 
     #[test]
@@ -263,18 +317,30 @@ mod tests {
     }
 
     #[test]
-    fn canonical_prompt_renders_the_whole_conversation() {
-        let chat = br#"{"messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},{"role":"assistant","content":null}]}"#;
-        assert_eq!(canonical_prompt(chat), "<|system|>\nbe brief\n<|user|>\nab\n<|assistant|>\n\n");
-        // A continued conversation extends the previous canonical text.
-        let first = br#"{"messages":[{"role":"user","content":"hi"}]}"#;
-        let second = br#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo"}]}"#;
-        assert!(canonical_prompt(second).starts_with(&canonical_prompt(first)));
-        assert_eq!(canonical_prompt(br#"{"prompt":"once upon"}"#), "once upon");
-        assert_eq!(canonical_prompt(br#"{"prompt":["a","b"]}"#), "a\nb");
-        assert_eq!(canonical_prompt(br#"{"prompt":[1,2,3]}"#), "1 2 3");
-        assert_eq!(canonical_prompt(br#"{"messages":5}"#), "");
-        assert_eq!(canonical_prompt(b"{}"), "");
+    fn prompts_over_the_item_limits_are_400_naming_the_field() {
+        let limits = PromptLimits { max_messages: 2, max_prompt_items: 4 };
+        let ok = [
+            &br#"{"messages":[{"role":"user","content":"a"},{"role":"user","content":"b"}]}"#[..],
+            br#"{"prompt":[1,2,3,4]}"#,
+            br#"{"prompt":[[1,2],[3,4]]}"#,
+            br#"{"prompt":["a",[1,2],"b"]}"#,
+            br#"{"prompt":"one long string counts once"}"#,
+            br#"{"messages":[{"content":[1,2,3,4,5,6]}],"other":[1,2,3,4,5,6]}"#,
+        ];
+        for body in ok {
+            assert!(routing_fields(body, &limits).is_ok(), "{}", String::from_utf8_lossy(body));
+        }
+        let e = routing_fields(br#"{"messages":[{},{},{}]}"#, &limits).unwrap_err();
+        assert_eq!((e.status(), e.kind()), (400, "prompt_too_long"));
+        assert!(e.body().contains(r#""param":"messages""#) && e.to_string().contains("at most 2, but got 3"), "{e}");
+        for body in [
+            &br#"{"prompt":[1,2,3,4,5]}"#[..],
+            br#"{"prompt":[[1,2,3],[4,5]]}"#,
+            br#"{"prompt":[[1],[2],[3],[4],[5]]}"#,
+        ] {
+            let e = routing_fields(body, &limits).unwrap_err();
+            assert!(e.to_string().contains("Invalid 'prompt'") && e.to_string().contains("got 5"), "{e}");
+        }
     }
 
     #[test]
@@ -288,7 +354,7 @@ mod tests {
             (b"{\"prompt\": \"\xff\"}", "not valid JSON"),
             (b"{\"a\":1} trailing", "not valid JSON"),
         ] {
-            let e = routing_fields(body).expect_err(&String::from_utf8_lossy(body));
+            let e = routing_fields(body, &PromptLimits::NONE).expect_err(&String::from_utf8_lossy(body));
             assert_eq!(e.status(), 400);
             assert!(e.to_string().contains(needle), "{e}");
         }

@@ -1,0 +1,495 @@
+//! The canonical prompt that prefix routing hashes, read from the body by a streaming
+//! visitor: the text is written as the parser walks the JSON, with no document tree.
+//!
+//! A tree (`serde_json::Value`) costs ~32 bytes per array item, so `{"prompt":[1,1,1,…]}`
+//! — two body bytes per token id — grew ~16× in memory and a few 16 MiB bodies could take a
+//! pod down. Here a body costs its text: at most about its own size (plus one message's
+//! content held while that message's `role` may still follow).
+//!
+//! What the text is: a completion's `prompt` (an array of prompts joined by newlines, token
+//! ids written as numbers separated by spaces), or a chat's whole conversation, every
+//! message in order as `<|role|>\n{content}\n` (content parts of type text concatenated).
+//! Two requests share a prefix of this text exactly when they share the corresponding
+//! prefix of conversation, which is what an engine's prefix cache rewards. Empty when the
+//! body has neither, or when its shape is not a request's (the engine will reject it).
+//! A key given twice counts once, its last value, as the engines' JSON parsers read it.
+
+use std::fmt;
+
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+
+/// The canonical prompt of `body` (see the module docs).
+pub fn canonical_prompt(body: &[u8]) -> String {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    (Request { capacity: body.len() }).deserialize(&mut de).and_then(|text| de.end().map(|()| text)).unwrap_or_default()
+}
+
+/// The fields of a request object that make up the prompt.
+enum Field {
+    Messages,
+    Prompt,
+    Role,
+    Content,
+    Text,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Field {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Names;
+        impl Visitor<'_> for Names {
+            type Value = Field;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Field, E> {
+                Ok(match v {
+                    "messages" => Field::Messages,
+                    "prompt" => Field::Prompt,
+                    "role" => Field::Role,
+                    "content" => Field::Content,
+                    "text" => Field::Text,
+                    _ => Field::Other,
+                })
+            }
+        }
+        d.deserialize_identifier(Names)
+    }
+}
+
+/// The top-level object: renders `messages` if present (and not null), else `prompt`.
+/// `capacity`: the body's length, about the most text it renders (one allocation, no
+/// copies while the text grows).
+struct Request {
+    capacity: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for Request {
+    type Value = String;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<String, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Request {
+    type Value = String;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a request object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<String, A::Error> {
+        let (mut messages, mut prompt) = (None, None);
+        while let Some(key) = map.next_key::<Field>()? {
+            match key {
+                Field::Messages => messages = map.next_value_seed(Messages { capacity: self.capacity })?,
+                Field::Prompt => {
+                    let mut out = String::with_capacity(self.capacity);
+                    map.next_value_seed(Content { out: &mut out })?;
+                    prompt = Some(out);
+                }
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(messages.or(prompt).unwrap_or_default())
+    }
+}
+
+/// `messages`: null (absent) or an array of message objects.
+struct Messages {
+    capacity: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for Messages {
+    type Value = Option<String>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<String>, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Messages {
+    type Value = Option<String>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an array of messages")
+    }
+    fn visit_unit<E>(self) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<String>, A::Error> {
+        let mut out = String::with_capacity(self.capacity);
+        // One message's content, kept until its object ends (its role may come after it).
+        let mut content = String::new();
+        while seq.next_element_seed(Message { out: &mut out, content: &mut content })?.is_some() {}
+        Ok(Some(out))
+    }
+}
+
+/// One message object, appended to `out` as `<|role|>\n{content}\n`.
+struct Message<'a> {
+    out: &'a mut String,
+    content: &'a mut String,
+}
+
+impl<'de> DeserializeSeed<'de> for Message<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Message<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a message object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut role: Option<String> = None;
+        self.content.clear();
+        while let Some(key) = map.next_key::<Field>()? {
+            match key {
+                Field::Role => role = map.next_value()?,
+                Field::Content => {
+                    self.content.clear();
+                    map.next_value_seed(Content { out: self.content })?;
+                }
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        self.out.push_str("<|");
+        self.out.push_str(role.as_deref().unwrap_or(""));
+        self.out.push_str("|>\n");
+        self.out.push_str(self.content);
+        self.out.push('\n');
+        Ok(())
+    }
+}
+
+/// A prompt or a message's content: a string as is; an array item by item ([`Item`]);
+/// anything else adds nothing.
+struct Content<'a> {
+    out: &'a mut String,
+}
+
+impl<'de> DeserializeSeed<'de> for Content<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Content<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a prompt")
+    }
+    fn visit_str<E>(self, v: &str) -> Result<(), E> {
+        self.out.push_str(v);
+        Ok(())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let mut first = true;
+        while seq.next_element_seed(Item { out: &mut *self.out, first })?.is_some() {
+            first = false;
+        }
+        Ok(())
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(())
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+}
+
+/// One item of a content array: a content part (`{"type":"text","text":…}`) adds its text;
+/// a token id adds itself, after a space unless first; anything else is a nested content,
+/// after a newline unless first.
+struct Item<'a> {
+    out: &'a mut String,
+    first: bool,
+}
+
+impl Item<'_> {
+    fn number(self, n: impl fmt::Display) {
+        use fmt::Write;
+        if !self.first {
+            self.out.push(' ');
+        }
+        let _ = write!(self.out, "{n}");
+    }
+
+    /// A nested content's separator.
+    fn newline(&mut self) {
+        if !self.first {
+            self.out.push('\n');
+        }
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for Item<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Item<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a prompt item")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut text: Option<String> = None;
+        while let Some(key) = map.next_key::<Field>()? {
+            match key {
+                Field::Text => text = map.next_value::<StringOrNot>()?.0,
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        if let Some(t) = text {
+            self.out.push_str(&t);
+        }
+        Ok(())
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<(), E> {
+        self.number(v);
+        Ok(())
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<(), E> {
+        self.number(v);
+        Ok(())
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<(), E> {
+        // Written as serde_json writes a number, so the text does not depend on the parser.
+        match serde_json::Number::from_f64(v) {
+            Some(n) => self.number(n),
+            None => self.number(v),
+        }
+        Ok(())
+    }
+    fn visit_str<E>(mut self, v: &str) -> Result<(), E> {
+        self.newline();
+        self.out.push_str(v);
+        Ok(())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(mut self, seq: A) -> Result<(), A::Error> {
+        self.newline();
+        Content { out: self.out }.visit_seq(seq)
+    }
+    fn visit_bool<E>(mut self, _: bool) -> Result<(), E> {
+        self.newline();
+        Ok(())
+    }
+    fn visit_unit<E>(mut self) -> Result<(), E> {
+        self.newline();
+        Ok(())
+    }
+}
+
+/// A value that is kept when it is a string and skipped otherwise.
+struct StringOrNot(Option<String>);
+
+impl<'de> Deserialize<'de> for StringOrNot {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = StringOrNot;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("any value")
+            }
+            fn visit_str<E>(self, v: &str) -> Result<StringOrNot, E> {
+                Ok(StringOrNot(Some(v.to_owned())))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<StringOrNot, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(StringOrNot(None))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<StringOrNot, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(StringOrNot(None))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<StringOrNot, E> {
+                Ok(StringOrNot(None))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<StringOrNot, E> {
+                Ok(StringOrNot(None))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<StringOrNot, E> {
+                Ok(StringOrNot(None))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<StringOrNot, E> {
+                Ok(StringOrNot(None))
+            }
+            fn visit_unit<E>(self) -> Result<StringOrNot, E> {
+                Ok(StringOrNot(None))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// The same text from a document tree: the definition the visitor is checked against (unit
+/// tests here, and the fuzz target on every input whose tree parses). `None` when the body
+/// is not JSON at all.
+#[cfg(any(test, feature = "fuzzing"))]
+pub fn canonical_prompt_from_tree(body: &[u8]) -> Option<String> {
+    use serde_json::Value;
+    fn push_content(out: &mut String, v: &Value) {
+        match v {
+            Value::String(s) => out.push_str(s),
+            Value::Array(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    match item {
+                        Value::Object(o) => {
+                            if let Some(Value::String(t)) = o.get("text") {
+                                out.push_str(t);
+                            }
+                        }
+                        Value::Number(n) => {
+                            if i > 0 {
+                                out.push(' ');
+                            }
+                            out.push_str(&n.to_string());
+                        }
+                        other => {
+                            if i > 0 {
+                                out.push('\n');
+                            }
+                            push_content(out, other);
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let tree: Value = serde_json::from_slice(body).ok()?;
+    let Value::Object(request) = tree else { return Some(String::new()) };
+    let mut out = String::new();
+    match request.get("messages") {
+        Some(Value::Array(messages)) => {
+            for m in messages {
+                let Value::Object(m) = m else { return Some(String::new()) };
+                let role = match m.get("role") {
+                    None | Some(Value::Null) => "",
+                    Some(Value::String(r)) => r,
+                    Some(_) => return Some(String::new()),
+                };
+                out.push_str("<|");
+                out.push_str(role);
+                out.push_str("|>\n");
+                if let Some(c) = m.get("content") {
+                    push_content(&mut out, c);
+                }
+                out.push('\n');
+            }
+        }
+        None | Some(Value::Null) => {
+            if let Some(p) = request.get("prompt") {
+                push_content(&mut out, p);
+            }
+        }
+        Some(_) => return Some(String::new()),
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn canonical_prompt_renders_the_whole_conversation() {
+        let chat = br#"{"messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},{"role":"assistant","content":null}]}"#;
+        assert_eq!(canonical_prompt(chat), "<|system|>\nbe brief\n<|user|>\nab\n<|assistant|>\n\n");
+        // A continued conversation extends the previous canonical text.
+        let first = br#"{"messages":[{"role":"user","content":"hi"}]}"#;
+        let second = br#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo"}]}"#;
+        assert!(canonical_prompt(second).starts_with(&canonical_prompt(first)));
+        assert_eq!(canonical_prompt(br#"{"prompt":"once upon"}"#), "once upon");
+        assert_eq!(canonical_prompt(br#"{"prompt":["a","b"]}"#), "a\nb");
+        assert_eq!(canonical_prompt(br#"{"prompt":[1,2,3]}"#), "1 2 3");
+        assert_eq!(canonical_prompt(br#"{"prompt":[[1,2],[3]]}"#), "1 2\n3");
+        assert_eq!(canonical_prompt(br#"{"messages":5}"#), "");
+        assert_eq!(canonical_prompt(b"{}"), "");
+    }
+
+    #[test]
+    fn the_role_may_follow_the_content_and_the_last_of_a_repeated_key_counts() {
+        let late_role = br#"{"messages":[{"content":"hi","role":"user"}]}"#;
+        assert_eq!(canonical_prompt(late_role), "<|user|>\nhi\n");
+        let twice = br#"{"messages":[{"role":"x","content":"a","content":"b","role":"user"}]}"#;
+        assert_eq!(canonical_prompt(twice), "<|user|>\nb\n");
+        let parts = br#"{"prompt":[{"text":"a","text":5},{"text":1,"text":"b"}]}"#;
+        assert_eq!(canonical_prompt(parts), "b");
+        assert_eq!(canonical_prompt(br#"{"messages":null,"prompt":"p"}"#), "p");
+        assert_eq!(canonical_prompt(br#"{"prompt":"p","messages":[]}"#), "", "messages win over prompt");
+    }
+
+    #[test]
+    fn shapes_that_are_not_requests_give_no_text() {
+        for body in [
+            &br#"[1,2]"#[..],
+            br#"{"messages":[5]}"#,
+            br#"{"messages":[{"role":7,"content":"x"}]}"#,
+            br#"{"messages":"hi"}"#,
+            br#"{"prompt":"a"} trailing"#,
+            br#"{"prompt":"a""#,
+            b"\xff",
+        ] {
+            assert_eq!(canonical_prompt(body), "", "{}", String::from_utf8_lossy(body));
+        }
+    }
+
+    #[test]
+    fn the_visitor_agrees_with_the_tree_on_every_case() {
+        let cases: &[&[u8]] = &[
+            br#"{"messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"b"}]}]}"#,
+            br#"{"prompt":[1,-2,3.5,1e300,18446744073709551616,-0,0.1]}"#,
+            br#"{"prompt":["a",[1,2],null,true,{"text":"t"},[["x"],"y"]]}"#,
+            br#"{"prompt":{"text":"not a part"}}"#,
+            br#"{"prompt":"caf\u00e9 \ud83d\ude00 \"q\"\n"}"#,
+            br#"{"messages":[{"role":null},{},{"content":[1,2]}],"prompt":"p"}"#,
+            br#"{"model":"m","messages":[{"role":"user","content":"hi","name":"n"}],"stream":true}"#,
+            br#"{"messages":[{"role":"user","content":"a"},3]}"#,
+            br#"{"messages":{"role":"user"}}"#,
+            br#"{"other":[[[[[[1]]]]]],"prompt":"ok"}"#,
+            br#"{}"#,
+            br#"[]"#,
+            br#""s""#,
+        ];
+        for body in cases {
+            let tree = canonical_prompt_from_tree(body).expect("valid JSON");
+            assert_eq!(canonical_prompt(body), tree, "{}", String::from_utf8_lossy(body));
+        }
+    }
+
+    #[test]
+    fn an_integer_prompt_costs_its_text_not_a_tree() {
+        // 1 MiB of token ids renders to 1 MiB of text; the tree would be ~16 MiB.
+        let mut body = String::from(r#"{"prompt":["#);
+        body.push_str(&"1,".repeat(512 * 1024));
+        body.push_str("1]}");
+        let text = canonical_prompt(body.as_bytes());
+        assert_eq!(text.len(), 2 * 512 * 1024 + 1);
+        assert_eq!(Some(text), canonical_prompt_from_tree(body.as_bytes()));
+    }
+}
