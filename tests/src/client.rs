@@ -199,6 +199,18 @@ pub fn metric(s: &Scrape, name: &str) -> f64 {
     sum
 }
 
+/// The value of a gauge or counter summed over the label sets where `label` is `value`
+/// (0 when there is none).
+pub fn metric_where(s: &Scrape, name: &str, label: &str, value: &str) -> f64 {
+    s.iter()
+        .filter(|x| x.name == name && x.labels.get(label).is_some_and(|v| v == value))
+        .map(|x| match x.value {
+            SeriesValue::Scalar(v) => v,
+            _ => panic!("{name} is not a scalar"),
+        })
+        .sum()
+}
+
 /// How long a test waits for something that should happen promptly (a scrape, a reload, a
 /// freed request, a log line): generous, because a loaded 2-core machine may run a test
 /// several times slower. A bound that is a measurement belongs to the `timing` test group or

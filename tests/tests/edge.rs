@@ -534,17 +534,7 @@ async fn bodies_past_the_process_wide_buffer_cap_get_503_and_memory_stays_bounde
     assert!(held > 0.0 && held <= 32.0 * MIB as f64, "switchyard_buffered_body_bytes = {held}");
     eprintln!("{served} served, {} refused; gateway RSS grew by {} MiB", refused.len(), grown / MIB as u64);
     assert!(grown < 64 * MIB as u64, "RSS grew by {grown} bytes");
-    let counted: f64 = scrape(g.admin)
-        .await
-        .iter()
-        .filter(|x| {
-            x.name == "switchyard_rejected_total" && x.labels.get("reason").is_some_and(|r| r == "body_buffer_full")
-        })
-        .map(|x| match x.value {
-            SeriesValue::Scalar(v) => v,
-            _ => 0.0,
-        })
-        .sum();
+    let counted = metric_where(&scrape(g.admin).await, "switchyard_rejected_total", "reason", "body_buffer_full");
     assert_eq!(counted as usize, refused.len(), "the refusals are counted");
     drop(answers);
     // The bodies' bytes come back when their requests end.

@@ -71,16 +71,7 @@ async fn a_long_conversation_stays_on_the_engine_that_cached_it() {
 
     // The gateway's own view: 9 decisions by cache hit, match ratios recorded, index non-empty.
     let gm = scrape(g.admin).await;
-    let prefix_hits: f64 = gm
-        .iter()
-        .filter(|s| {
-            s.name == "switchyard_routing_decisions_total" && s.labels.get("reason").is_some_and(|r| r == "prefix_hit")
-        })
-        .map(|s| match s.value {
-            SeriesValue::Scalar(v) => v,
-            _ => 0.0,
-        })
-        .sum();
+    let prefix_hits = metric_where(&gm, "switchyard_routing_decisions_total", "reason", "prefix_hit");
     assert_eq!(prefix_hits, 9.0, "{}", g.log());
     assert!(metric(&gm, "switchyard_prefix_index_bytes") > 0.0);
     let ratio = gm.iter().find(|s| s.name == "switchyard_prefix_match_ratio").expect("match ratio histogram");
