@@ -546,7 +546,8 @@ async fn bodies_past_the_process_wide_buffer_cap_get_503_and_memory_stays_bounde
 
 /// #24 high 1: the `cost` policy reads the canonical prompt of an 8 MiB array of token ids
 /// with a streaming visitor: the gateway's peak memory grows by less than 3× the body (a
-/// document tree took ~16×). Arrays over the configured item limits get a 400 naming the field.
+/// document tree took ~16×). Arrays over the configured item limits get a 400 naming the field,
+/// and so does a model name over 256 bytes (#24, low).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn token_id_prompts_cost_memory_in_proportion_and_prompt_limits_answer_400() {
     const MIB: usize = 1024 * 1024;
@@ -583,6 +584,11 @@ async fn token_id_prompts_cost_memory_in_proportion_and_prompt_limits_answer_400
     let e = r.json().await;
     assert_eq!(e["error"]["param"], "messages", "{e}");
     assert!(e["error"]["message"].as_str().unwrap().contains("at most 4, but got 5"), "{e}");
+    // A model name is a label, a log field and a lookup key: at most 256 bytes.
+    let long = json!({"model": "m".repeat(300), "prompt": "hi"});
+    let r = send(g.addr, "POST", "/v1/completions", long.to_string()).await;
+    assert_eq!(r.status, 400);
+    assert!(r.text().await.contains("at most 256 bytes"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,6 +21,9 @@ pub use prompt::canonical_prompt;
 #[cfg(feature = "fuzzing")]
 pub use prompt::canonical_prompt_from_tree;
 
+/// The longest model name accepted (it becomes a label, a log field and a lookup key).
+pub const MAX_MODEL_NAME_BYTES: usize = 256;
+
 /// Routing fields of an OpenAI request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RoutingFields {
@@ -93,6 +96,12 @@ pub fn routing_fields(body: &[u8], limits: &PromptLimits) -> Result<RoutingField
                 .map_err(|_| ProxyError::BadRequest(format!("model must be a string, got {}", truncate(v.get()))))?,
         ),
     };
+    if let Some(m) = model.as_ref().filter(|m| m.len() > MAX_MODEL_NAME_BYTES) {
+        return Err(ProxyError::BadRequest(format!(
+            "model names are at most {MAX_MODEL_NAME_BYTES} bytes, got one of {}",
+            m.len()
+        )));
+    }
     let stream = match raw.stream {
         None => false,
         Some(v) => match v.get() {
@@ -350,6 +359,7 @@ mod tests {
             (b"", "JSON object"),
             (b"{\"model\": ", "not valid JSON"),
             (b"{\"model\": 5}", "model must be a string"),
+            (format!("{{\"model\": \"{}\"}}", "m".repeat(257)).leak().as_bytes(), "at most 256 bytes"),
             (b"{\"model\": \"m\", \"stream\": \"yes\"}", "stream must be a boolean"),
             (b"{\"prompt\": \"\xff\"}", "not valid JSON"),
             (b"{\"a\":1} trailing", "not valid JSON"),
