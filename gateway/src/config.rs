@@ -50,6 +50,10 @@ pub const DEFAULT_PREFIX_MAX_BYTES: usize = 64 * 1024 * 1024;
 pub const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
 /// Default `limits.header_read_timeout_ms`.
 pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
+/// Default `limits.idle_connection_timeout_ms`.
+pub const DEFAULT_IDLE_CONNECTION_TIMEOUT_MS: u64 = 60_000;
+/// Default `limits.max_connections`.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 /// Default `limits.max_header_bytes` (64 KiB).
 pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
 /// Default `limits.max_headers`.
@@ -427,8 +431,19 @@ pub struct LimitsConfig {
     /// Largest request body; larger ones get 413 before any upstream connection.
     pub max_body_bytes: u64,
     /// A request's header must arrive within this (from the connection's first byte of
-    /// the request, or from its reuse): the slowloris guard. The connection is closed.
+    /// the request): the slowloris guard. It also bounds what comes before a request: the
+    /// first request's head from the connection's accept, and the 24-byte HTTP/2 preface
+    /// (h2c). The connection is closed.
     pub header_read_timeout_ms: u64,
+    /// How long a connection with no request in flight is kept: an HTTP/1.1 keep-alive
+    /// connection waiting for its next request's first byte, an HTTP/2 connection with no
+    /// open stream. Closed past it (counted in `switchyard_idle_connections_closed_total`).
+    /// HTTP/2's value is read when a connection opens, HTTP/1's when it goes idle.
+    pub idle_connection_timeout_ms: u64,
+    /// Client connections open at once on the API listener; a connection past it is closed
+    /// as soon as it is accepted (`switchyard_connections_refused_total`). Connections still in
+    /// their TLS handshake are not counted (pingora bounds that handshake by 60 s).
+    pub max_connections: usize,
     /// Largest request header block (431 above it).
     pub max_header_bytes: usize,
     /// Most header fields in one request (431 above it).
@@ -450,6 +465,8 @@ impl Default for LimitsConfig {
         LimitsConfig {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             header_read_timeout_ms: DEFAULT_HEADER_READ_TIMEOUT_MS,
+            idle_connection_timeout_ms: DEFAULT_IDLE_CONNECTION_TIMEOUT_MS,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
             max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
             max_headers: DEFAULT_MAX_HEADERS,
             body_read_timeout_ms: DEFAULT_BODY_READ_TIMEOUT_MS,
@@ -472,9 +489,11 @@ impl LimitsConfig {
                 format!("must be >= limits.max_body_bytes ({})", self.max_body_bytes),
             );
         }
-        for (name, v) in
-            [("limits.max_messages", self.max_messages), ("limits.max_prompt_items", self.max_prompt_items)]
-        {
+        for (name, v) in [
+            ("limits.max_messages", self.max_messages),
+            ("limits.max_prompt_items", self.max_prompt_items),
+            ("limits.max_connections", self.max_connections),
+        ] {
             if v == 0 {
                 errs.add(name, 0, "must be > 0");
             }
@@ -489,6 +508,7 @@ impl LimitsConfig {
         for (name, v) in [
             ("limits.header_read_timeout_ms", self.header_read_timeout_ms),
             ("limits.body_read_timeout_ms", self.body_read_timeout_ms),
+            ("limits.idle_connection_timeout_ms", self.idle_connection_timeout_ms),
         ] {
             if v == 0 {
                 errs.add(name, 0, "must be > 0");
@@ -499,6 +519,10 @@ impl LimitsConfig {
     /// Header read deadline.
     pub fn header_read_timeout(&self) -> Duration {
         Duration::from_millis(self.header_read_timeout_ms)
+    }
+    /// How long an idle client connection is kept.
+    pub fn idle_connection_timeout(&self) -> Duration {
+        Duration::from_millis(self.idle_connection_timeout_ms)
     }
     /// Request body deadline.
     pub fn body_read_timeout(&self) -> Duration {

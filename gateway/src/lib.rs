@@ -6,7 +6,8 @@
 //! background) and by its own in-flight counts.
 //!
 //! Layout (docs/architecture.md has the picture):
-//! - [`server`] wires pingora: listeners, services, the drain signal;
+//! - [`server`] wires pingora: listeners, services, the drain signal; [`connection`] guards
+//!   the API listener's connections (how many, how long before they speak);
 //! - [`config`] (file, validation) → [`state`] (what is in force, swapped atomically) →
 //!   [`cluster`] (backends, health) → [`policy`] (pure routing decisions);
 //! - [`proxy`] is the request path, as named phases over one per-request context;
@@ -25,6 +26,7 @@ pub(crate) mod auth;
 pub(crate) mod body_budget;
 pub(crate) mod cluster;
 pub mod config;
+pub(crate) mod connection;
 pub(crate) mod discovery;
 pub(crate) mod drain;
 pub mod error;

@@ -50,6 +50,12 @@ pub struct GatewayMetrics {
     pub certificate_reloads: IntCounterVec,
     /// Connections closed for not sending a request header within the deadline.
     pub header_timeouts: IntCounter,
+    /// Client connections open on the API listener.
+    pub client_connections: IntGauge,
+    /// Connections closed at accept because `limits.max_connections` were open.
+    pub connections_refused: IntCounter,
+    /// Connections closed after `limits.idle_connection_timeout_ms` with no request.
+    pub idle_connections_closed: IntCounter,
     /// Request body bytes buffered now, process-wide (`limits.max_buffered_body_bytes`).
     pub buffered_body_bytes: IntGauge,
     inflight: IntGaugeVec,
@@ -119,6 +125,18 @@ impl GatewayMetrics {
                 "switchyard_header_timeouts_total",
                 "Connections closed because a request header did not arrive within limits.header_read_timeout_ms.",
             )?,
+            client_connections: IntGauge::new(
+                "switchyard_client_connections",
+                "Client connections open on the API listener (limits.max_connections caps it).",
+            )?,
+            connections_refused: IntCounter::new(
+                "switchyard_connections_refused_total",
+                "Client connections closed at accept because limits.max_connections were open.",
+            )?,
+            idle_connections_closed: IntCounter::new(
+                "switchyard_idle_connections_closed_total",
+                "HTTP/1 keep-alive connections closed after limits.idle_connection_timeout_ms without a request.",
+            )?,
             buffered_body_bytes: IntGauge::new(
                 "switchyard_buffered_body_bytes",
                 "Request body bytes held by the gateway now (limits.max_buffered_body_bytes caps it).",
@@ -149,6 +167,9 @@ impl GatewayMetrics {
         m.registry.register(Box::new(m.queue_wait.clone()))?;
         m.registry.register(Box::new(m.rejected.clone()))?;
         m.registry.register(Box::new(m.header_timeouts.clone()))?;
+        m.registry.register(Box::new(m.client_connections.clone()))?;
+        m.registry.register(Box::new(m.connections_refused.clone()))?;
+        m.registry.register(Box::new(m.idle_connections_closed.clone()))?;
         m.registry.register(Box::new(m.buffered_body_bytes.clone()))?;
         m.registry.register(Box::new(m.certificate_reloads.clone()))?;
         m.registry.register(Box::new(m.prefix_match_ratio.clone()))?;

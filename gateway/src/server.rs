@@ -22,7 +22,7 @@ use pingora::services::listening::Service;
 use pingora::services::{ServiceReadyNotifier, ServiceWithDependents};
 
 use crate::config::GatewayConfig;
-use crate::{admin, discovery, drain, metrics, proxy, reload, scrape, state, tls};
+use crate::{admin, connection, discovery, drain, metrics, proxy, reload, scrape, state, tls};
 
 /// Buffers of a client connection. The write buffer holds a response header until the first
 /// body write, so header and first chunk leave in one `write` (pingora's default of 1,460
@@ -112,7 +112,8 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
 
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
-    let mut proxy = Service::new("switchyard-proxy".into(), proxy::ProxyApp::new(state.clone()));
+    let edge = connection::Edge::new(proxy::ProxyApp::new(state.clone()), state.clone());
+    let mut proxy = Service::new("switchyard-proxy".into(), edge);
     let api = api_addr.to_string();
     match &certs {
         Some(store) => {

@@ -662,3 +662,164 @@ async fn engines_never_see_the_edges_credentials_and_learn_where_requests_came_f
     eventually("the access log records the request id", async || g.log().contains("\"request_id\":\"client-id-7\""))
         .await;
 }
+
+/// Read from `s` until the server closes it: how long that took from `since`, or `None`
+/// when it stayed open for [`PATIENCE`].
+async fn closed_after(s: &mut (impl tokio::io::AsyncRead + Unpin), since: Instant) -> Option<Duration> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 1024];
+    loop {
+        match tokio::time::timeout(PATIENCE, s.read(&mut buf)).await {
+            Ok(Ok(0) | Err(_)) => return Some(since.elapsed()),
+            Ok(Ok(_)) => {}
+            Err(_) => return None,
+        }
+    }
+}
+
+/// One `GET /-/healthz` on a kept-alive HTTP/1.1 connection; true when it was answered 200.
+async fn healthz_on(s: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    if s.write_all(b"GET /-/healthz HTTP/1.1\r\nHost: x\r\n\r\n").await.is_err() {
+        return false;
+    }
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !got.ends_with(b"\r\n\r\nok\n") {
+        match tokio::time::timeout(PATIENCE, s.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => got.extend_from_slice(&buf[..n]),
+            _ => return false,
+        }
+    }
+    got.starts_with(b"HTTP/1.1 200")
+}
+
+/// Connections that say nothing, or nothing more (#24, high 2): a client that sends part of
+/// the HTTP/2 preface is closed by the header deadline (pingora's own preface peek has none);
+/// an HTTP/1.1 keep-alive connection may rest past the header deadline but not past
+/// `limits.idle_connection_timeout_ms`, nor may an HTTP/2 connection with no open stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_and_idle_connections_are_closed_by_their_deadlines() {
+    use tokio::io::AsyncWriteExt;
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let (header_ms, idle_ms) = (500, 5000);
+    let g = GatewayProc::start(&config(&engine.url()).section(
+        "limits",
+        &format!("{{ header_read_timeout_ms: {header_ms}, idle_connection_timeout_ms: {idle_ms} }}"),
+    ));
+    wait_scraped(&g, 1).await;
+
+    // 100 connections each send 10 of the preface's 24 bytes and wait.
+    let mut partial = Vec::new();
+    for _ in 0..100 {
+        let addr = g.addr;
+        partial.push(tokio::spawn(async move {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let opened = Instant::now();
+            s.write_all(&b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"[..10]).await.unwrap();
+            closed_after(&mut s, opened).await
+        }));
+    }
+    // HTTP/1.1 keep-alive: a pause longer than the header deadline keeps the connection...
+    let h1 = tokio::spawn({
+        let addr = g.addr;
+        async move {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            assert!(healthz_on(&mut s).await, "first request on the connection");
+            tokio::time::sleep(Duration::from_millis(3 * header_ms)).await;
+            assert!(healthz_on(&mut s).await, "a keep-alive pause past the header deadline closed the connection");
+            closed_after(&mut s, Instant::now()).await
+        }
+    });
+    // ...and an HTTP/2 connection is served, then closed when idle.
+    let tcp = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake::<_, _, http_body_util::Full<bytes::Bytes>>(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let h2 = tokio::spawn(conn);
+    let req = hyper::Request::get(format!("http://{}/-/healthz", g.addr))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    assert_eq!(sender.send_request(req).await.unwrap().status(), 200);
+    let h2_idle = Instant::now();
+    let _ = tokio::time::timeout(PATIENCE, h2).await.expect("an idle HTTP/2 connection was never closed");
+    let h2_closed = h2_idle.elapsed();
+
+    let mut slowest = Duration::ZERO;
+    for p in partial {
+        let t = p.await.unwrap().expect("a connection that sent 10 preface bytes was never closed");
+        assert!(t >= Duration::from_millis(header_ms - 50), "closed before the header deadline: {t:?}");
+        slowest = slowest.max(t);
+    }
+    let h1_closed = h1.await.unwrap().expect("an idle keep-alive connection was never closed");
+    eprintln!("partial prefaces closed within {slowest:?}; idle h1 closed after {h1_closed:?}, h2 after {h2_closed:?}");
+    let idle = Duration::from_millis(idle_ms - 100);
+    assert!(h1_closed >= idle && h2_closed >= idle, "idle connections closed early: {h1_closed:?}, {h2_closed:?}");
+    let m = scrape(g.admin).await;
+    assert!(metric(&m, "switchyard_header_timeouts_total") >= 100.0);
+    assert_eq!(metric(&m, "switchyard_idle_connections_closed_total"), 1.0, "the HTTP/1 one");
+}
+
+/// `limits.max_connections` (#24, high 2): a connection past the cap is closed at accept and
+/// counted; when one closes, a new one is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_are_refused_and_counted() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let g = GatewayProc::start(
+        &config(&engine.url()).section("limits", "{ max_connections: 4, header_read_timeout_ms: 60000 }"),
+    );
+    wait_scraped(&g, 1).await;
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(tokio::net::TcpStream::connect(g.addr).await.unwrap());
+    }
+    wait_for_metrics(g.admin, PATIENCE, "four connections open", |m| metric(m, "switchyard_client_connections") == 4.0)
+        .await;
+    let mut fifth = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+    let closed = closed_after(&mut fifth, Instant::now()).await.expect("the fifth connection was kept");
+    assert!(closed < Duration::from_secs(10), "closed at accept, took {closed:?}");
+    assert_eq!(metric(&scrape(g.admin).await, "switchyard_connections_refused_total"), 1.0);
+    drop(held.pop());
+    wait_for_metrics(g.admin, PATIENCE, "a slot freed", |m| metric(m, "switchyard_client_connections") == 3.0).await;
+    assert_eq!(send(g.addr, "GET", "/-/healthz", "").await.status, 200);
+}
+
+/// Header limits hold on HTTP/2 as on HTTP/1 (#24, low): too many fields or too many bytes
+/// get 431 and never reach an engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_heads_obey_the_header_limits() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let g = GatewayProc::start(&config(&engine.url()).section("limits", "{ max_header_bytes: 4096, max_headers: 20 }"));
+    wait_scraped(&g, 1).await;
+    let tcp = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake::<_, _, http_body_util::Full<bytes::Bytes>>(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let completion = || {
+        hyper::Request::post(format!("http://{}/v1/completions", g.addr))
+            .header("content-type", "application/json")
+    };
+    let body = || http_body_util::Full::new(bytes::Bytes::from(small().to_string()));
+    let mut many = completion();
+    for i in 0..30 {
+        many = many.header(format!("x-field-{i}"), "v");
+    }
+    let big = completion().header("x-big", "a".repeat(8192));
+    for (what, req) in [("30 fields", many), ("an 8 KiB field", big)] {
+        let status = match sender.send_request(req.body(body()).unwrap()).await {
+            Ok(r) => r.status().as_u16(),
+            Err(e) => panic!("{what}: {e}"),
+        };
+        assert_eq!(status, 431, "{what}");
+    }
+    let ok = sender.send_request(completion().body(body()).unwrap()).await.unwrap();
+    assert_eq!(ok.status(), 200, "the connection still serves a request within the limits");
+    assert_eq!(engine.posts(), 1, "only that one reached the engine");
+}

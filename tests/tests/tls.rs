@@ -163,3 +163,43 @@ async fn https_backends_are_verified_against_the_configured_ca() {
     .await;
     assert_eq!(engine.posts(), posts, "nothing reached the engine over an unverified connection");
 }
+
+/// HTTP/2 over TLS waits for the client's preface inside pingora's h2 handshake, with no
+/// deadline of its own (#24, high 2): a client that completes TLS, picks `h2` and sends 10
+/// of the preface's 24 bytes is closed by the header deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2_client_that_stalls_in_its_preface_is_closed_by_the_header_deadline() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let pki = TestPki::new();
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let dir = scratch_dir("tls-preface");
+    let (crt, key) = TestPki::write(&pki.issue(&["a.test"]), &dir, "a");
+    let g = GatewayProc::start(
+        &GatewayConfigBuilder::new()
+            .backends([engine.url()])
+            .tls(&crt, &key)
+            .section("limits", "{ header_read_timeout_ms: 500 }"),
+    );
+    wait_scraped(&g, 1).await;
+    let mut tls = pki.connect(g.addr, "a.test", &[b"h2"]).await;
+    assert_eq!(negotiated(&tls).as_deref(), Some(&b"h2"[..]));
+    let opened = Instant::now();
+    tls.write_all(&b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"[..10]).await.unwrap();
+    tls.flush().await.unwrap();
+    let mut buf = [0u8; 256];
+    let closed = loop {
+        match tokio::time::timeout(PATIENCE, tls.read(&mut buf)).await {
+            Ok(Ok(0) | Err(_)) => break opened.elapsed(),
+            Ok(Ok(_)) => {} // the server's SETTINGS
+            Err(_) => panic!("a TLS h2 connection stalled in its preface was kept for {PATIENCE:?}"),
+        }
+    };
+    assert!(closed >= Duration::from_millis(450), "closed before the deadline: {closed:?}");
+    assert!(metric(&scrape(g.admin).await, "switchyard_header_timeouts_total") >= 1.0);
+    // A client that sends its preface is served as before.
+    let tls = pki.connect(g.addr, "a.test", &[b"h2"]).await;
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls)).await.unwrap();
+    tokio::spawn(conn);
+    let resp = h2.send_request(completion("a.test", false)).await.unwrap();
+    assert_eq!(resp.status(), hyper::StatusCode::OK);
+}

@@ -30,8 +30,10 @@ use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use pingora::apps::{HttpPersistentSettings, HttpServerApp, HttpServerOptions, ReusedHttpStream};
 use pingora::http::RequestHeader;
-use pingora::protocols::http::ServerSession;
+use pingora::protocols::http::v2::server::{default_h2_options, H2Options};
+use pingora::protocols::http::{ReusableHttpStream, ServerSession};
 use pingora::server::ShutdownWatch;
+use tokio::io::AsyncReadExt;
 
 use crate::access_log::AccessLine;
 use crate::auth::Denied;
@@ -46,8 +48,9 @@ use crate::state::{Active, GatewayState};
 pub(crate) use ctx::RequestCtx;
 pub use plan::{plan_request, RoutePlan};
 
-/// How long an idle client connection is kept for its next request.
-const CLIENT_KEEPALIVE_SECS: u64 = 60;
+/// Room for the first read of a kept-alive connection's next request (pingora's own first
+/// header read starts with the same).
+const FIRST_READ_BYTES: usize = 4096;
 
 /// The OpenAI API listener.
 pub struct ProxyApp {
@@ -57,10 +60,13 @@ pub struct ProxyApp {
 
 impl ProxyApp {
     /// A proxy over `state`; accepts HTTP/1.1, and cleartext HTTP/2 (h2c) when the config's
-    /// `h2c` is on (HTTP/2 over TLS is negotiated by ALPN instead).
+    /// `h2c` is on (HTTP/2 over TLS is negotiated by ALPN instead). An HTTP/2 connection with
+    /// no open stream is closed after `limits.idle_connection_timeout_ms` (read here, once).
     pub fn new(state: Arc<GatewayState>) -> Self {
         let mut options = HttpServerOptions::default();
-        options.h2c = state.active.load().config.h2c;
+        let config = &state.active.load().config;
+        options.h2c = config.h2c;
+        options.h2_idle_timeout = Some(config.limits.idle_connection_timeout());
         ProxyApp { state, options }
     }
 }
@@ -72,25 +78,39 @@ impl HttpServerApp for ProxyApp {
         mut session: ServerSession,
         shutdown: &ShutdownWatch,
     ) -> Option<ReusedHttpStream> {
-        let _in_flight = self.state.lifecycle.in_flight.enter();
+        let in_flight = self.state.lifecycle.in_flight.enter();
         if !self.read_head(&mut session, shutdown).await {
             return None;
         }
-        session.set_keepalive(if *shutdown.borrow() { None } else { Some(CLIENT_KEEPALIVE_SECS) });
+        let keepalive = (!*shutdown.borrow()).then_some(CLIENT_KEEPALIVE_SECS);
+        session.set_keepalive(keepalive);
         if !self.handle(&mut session).await {
             return None;
         }
         let settings = HttpPersistentSettings::for_session(&session);
-        match session.finish().await {
-            Ok(stream) => stream.map(|s| ReusedHttpStream::from_reusable_stream(s, settings)),
-            Err(_) => None,
-        }
+        let reusable = session.finish().await.ok()??;
+        // Waiting for the next request is not in flight: a drain does not wait for it.
+        drop(in_flight);
+        self.await_next_request(reusable, settings, shutdown).await
     }
 
     fn server_options(&self) -> Option<&HttpServerOptions> {
         Some(&self.options)
     }
+
+    /// pingora's bounded defaults, with `limits.max_header_bytes` as the decoded header
+    /// list limit (HTTP/1 heads are checked in `read_head`).
+    fn h2_options(&self) -> Option<H2Options> {
+        let max = self.state.active.load().config.limits.max_header_bytes;
+        let mut options = default_h2_options();
+        options.max_header_list_size(u32::try_from(max).unwrap_or(u32::MAX));
+        Some(options)
+    }
 }
+
+/// The keep-alive a finished HTTP/1 response announces; the wait itself is
+/// `limits.idle_connection_timeout_ms` ([`ProxyApp::await_next_request`]).
+const CLIENT_KEEPALIVE_SECS: u64 = 60;
 
 impl ProxyApp {
     /// Phase `read_head`: true when a head within the limits was read (an answer, if one
@@ -119,17 +139,53 @@ impl ProxyApp {
                 return false;
             }
         }
-        if let Some(h1) = session.as_http1() {
-            let fields = session.req_header().headers.len();
-            if let Err(e) = check_head(&h1.get_headers_raw_bytes(), fields, limits.max_header_bytes, limits.max_headers)
-            {
-                session.set_keepalive(None);
-                let mut ctx = RequestCtx::new("", "");
-                self.reject(session, e, &mut ctx).await;
-                return false;
-            }
+        // HTTP/2's decoded header list is capped by the h2 settings (`h2_options`); the
+        // field count and one framing are checked here for both.
+        let raw = session.as_http1().map(|h1| h1.get_headers_raw_bytes()).unwrap_or_default();
+        let fields = session.req_header().headers.len();
+        if let Err(e) = check_head(&raw, fields, limits.max_header_bytes, limits.max_headers) {
+            session.set_keepalive(None);
+            let mut ctx = RequestCtx::new("", "");
+            self.reject(session, e, &mut ctx).await;
+            return false;
         }
         true
+    }
+
+    /// An idle HTTP/1 keep-alive connection: wait up to `limits.idle_connection_timeout_ms`
+    /// for the next request's first bytes, which go to the next session as a prefix (so its
+    /// header deadline starts when the client starts sending). Closed past it, on EOF or
+    /// when the gateway shuts down.
+    async fn await_next_request(
+        &self,
+        reusable: ReusableHttpStream,
+        mut settings: HttpPersistentSettings,
+        shutdown: &ShutdownWatch,
+    ) -> Option<ReusedHttpStream> {
+        let (mut stream, prefix) = reusable.into_parts();
+        let mut next = prefix.unwrap_or_default();
+        if next.is_empty() {
+            if *shutdown.borrow() {
+                return None;
+            }
+            let idle = self.state.active.load().config.limits.idle_connection_timeout();
+            let mut shutdown = shutdown.clone();
+            next.reserve(FIRST_READ_BYTES);
+            let read = tokio::select! {
+                r = tokio::time::timeout(idle, stream.read_buf(&mut next)) => r,
+                _ = shutdown.changed() => return None,
+            };
+            match read {
+                Ok(Ok(n)) if n > 0 => {}
+                Ok(_) => return None,
+                Err(_) => {
+                    self.state.metrics.idle_connections_closed.inc();
+                    return None;
+                }
+            }
+        }
+        settings.set_pipelined_prefix(next);
+        Some(ReusedHttpStream::new(stream, Some(settings)))
     }
 
     /// One request, routed by method and path; true when the connection may be reused.
