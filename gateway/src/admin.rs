@@ -1,4 +1,9 @@
-//! The admin listener: `/metrics` (Prometheus) and `/admin/backends` (JSON).
+//! The admin listener: `/metrics` (Prometheus) and `/admin/backends` (JSON), both behind
+//! `admin.token_sha256` when it is set; `/-/healthz` (liveness) always open.
+//!
+//! It is HTTP/1.1 only and holds each connection to the header deadline
+//! (`limits.header_read_timeout_ms`), for the first request and every kept-alive one: a
+//! Prometheus scraper reconnects when it waited longer, a slowloris is cut off.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -10,7 +15,8 @@ use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
 use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
 
-use crate::http::respond;
+use crate::auth::{bearer, key_digest, parse_sha256};
+use crate::http::{respond, respond_headers};
 use crate::state::GatewayState;
 
 /// The admin app.
@@ -76,11 +82,30 @@ impl HttpServerApp for AdminApp {
         mut s: ServerSession,
         _shutdown: &ShutdownWatch,
     ) -> Option<ReusedHttpStream> {
-        if !matches!(s.read_request().await, Ok(true)) {
-            return None;
+        let (deadline, token) = {
+            let config = &self.state.active.load().config;
+            (config.limits.header_read_timeout(), config.admin.token_sha256.as_deref().and_then(parse_sha256))
+        };
+        match tokio::time::timeout(deadline, s.read_request()).await {
+            Ok(Ok(true)) => {}
+            Ok(_) => return None,
+            Err(_) => {
+                self.state.metrics.header_timeouts.inc();
+                return None;
+            }
         }
         let path = s.req_header().uri.path().to_string();
+        let authorized = || {
+            let presented = bearer(s.get_header("authorization").map(|v| v.as_bytes()));
+            token.is_none_or(|digest| presented.is_ok_and(|t| key_digest(t) == digest))
+        };
         let ok = match path.as_str() {
+            "/-/healthz" => respond(&mut s, 200, "text/plain", Bytes::from_static(b"ok\n"), None).await,
+            _ if !authorized() => {
+                let body = Bytes::from_static(b"an admin token is required: Authorization: Bearer <token>\n");
+                let challenge = [("www-authenticate", "Bearer realm=\"switchyard-admin\"")];
+                respond_headers(&mut s, 401, "text/plain", body, &challenge).await
+            }
             "/metrics" => {
                 let active = self.state.active.load();
                 let body = self.state.metrics.render(
@@ -94,7 +119,6 @@ impl HttpServerApp for AdminApp {
                 let body = serde_json::to_vec_pretty(&self.backends_json()).expect("json");
                 respond(&mut s, 200, "application/json", Bytes::from(body), None).await
             }
-            "/-/healthz" => respond(&mut s, 200, "text/plain", Bytes::from_static(b"ok\n"), None).await,
             _ => respond(&mut s, 404, "text/plain", Bytes::from_static(b"not found\n"), None).await,
         };
         if !ok {

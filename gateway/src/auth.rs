@@ -167,7 +167,8 @@ fn validate_keys(keys: &[ApiKeyConfig], from: usize, errs: &mut Errors) {
     }
 }
 
-fn parse_sha256(hex_digest: &str) -> Option<[u8; 32]> {
+/// The 32 bytes of a hex SHA-256 (surrounding whitespace ignored).
+pub(crate) fn parse_sha256(hex_digest: &str) -> Option<[u8; 32]> {
     let mut out = [0u8; 32];
     hex::decode_to_slice(hex_digest.trim(), &mut out).ok()?;
     Some(out)
@@ -305,14 +306,20 @@ impl Authenticator {
         if !self.enabled {
             return Ok(None);
         }
-        let value = authorization.ok_or(Denied::Missing)?;
-        let value = std::str::from_utf8(value).map_err(|_| Denied::Unknown)?.trim();
-        let (scheme, key) = value.split_once(' ').ok_or(Denied::Missing)?;
-        if !scheme.eq_ignore_ascii_case("bearer") || key.trim().is_empty() {
-            return Err(Denied::Missing);
-        }
-        self.by_digest.get(&key_digest(key.trim())).cloned().map(Some).ok_or(Denied::Unknown)
+        let key = bearer(authorization)?;
+        self.by_digest.get(&key_digest(key)).cloned().map(Some).ok_or(Denied::Unknown)
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` header value.
+pub fn bearer(authorization: Option<&[u8]>) -> Result<&str, Denied> {
+    let value = authorization.ok_or(Denied::Missing)?;
+    let value = std::str::from_utf8(value).map_err(|_| Denied::Unknown)?.trim();
+    let (scheme, token) = value.split_once(' ').ok_or(Denied::Missing)?;
+    if !scheme.eq_ignore_ascii_case("bearer") || token.trim().is_empty() {
+        return Err(Denied::Missing);
+    }
+    Ok(token.trim())
 }
 
 #[cfg(test)]

@@ -93,6 +93,8 @@ pub struct GatewayConfig {
     pub listen: String,
     /// Admin listener (`/metrics`, `/admin/backends`).
     pub admin_listen: String,
+    /// Who may read the admin listener.
+    pub admin: AdminConfig,
     /// Worker threads of the proxy (0 = one per CPU).
     pub threads: usize,
     /// One work-stealing runtime over the worker threads (true), or one single-threaded
@@ -135,6 +137,7 @@ impl Default for GatewayConfig {
         GatewayConfig {
             listen: DEFAULT_LISTEN.into(),
             admin_listen: DEFAULT_ADMIN_LISTEN.into(),
+            admin: AdminConfig::default(),
             threads: 0,
             work_stealing: true,
             discovery: DiscoveryConfig::default(),
@@ -151,6 +154,26 @@ impl Default for GatewayConfig {
             upstream_tls: UpstreamTlsConfig::default(),
             auth: AuthConfig::default(),
             drain: DrainConfig::default(),
+        }
+    }
+}
+
+/// `admin`: access to the admin listener, whose `/metrics` carries tenant names and whose
+/// `/admin/backends` lists engine addresses and errors.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminConfig {
+    /// Lowercase hex SHA-256 of a bearer token (`printf %s "$TOKEN" | sha256sum`): set, every
+    /// admin route but `/-/healthz` needs `Authorization: Bearer <token>` (401 without).
+    pub token_sha256: Option<String>,
+}
+
+impl AdminConfig {
+    fn validate(&self, errs: &mut Errors) {
+        if let Some(t) = &self.token_sha256 {
+            if crate::auth::parse_sha256(t).is_none() {
+                errs.add("admin.token_sha256", t, "must be 64 hex digits (the SHA-256 of the token)");
+            }
         }
     }
 }
@@ -807,6 +830,7 @@ impl GatewayConfig {
         if self.listen == self.admin_listen && !self.listen.ends_with(":0") {
             errs.add("admin_listen", &self.admin_listen, "must differ from listen");
         }
+        self.admin.validate(&mut errs);
         self.discovery.validate(&mut errs);
         self.admission.validate(&mut errs);
         self.scrape.validate(&mut errs);

@@ -47,14 +47,26 @@ pub(crate) async fn respond_with(
     retry_after: Option<u64>,
     request_id: Option<&str>,
 ) -> bool {
-    let Ok(mut resp) = ResponseHeader::build(status, Some(5)) else { return false };
-    if let Some(id) = request_id {
-        let _ = resp.insert_header(REQUEST_ID, id);
+    let retry_after = retry_after.map(|secs| secs.to_string());
+    let headers = [("retry-after", retry_after.as_deref()), (REQUEST_ID, request_id)];
+    let present: Vec<(&'static str, &str)> = headers.iter().filter_map(|(k, v)| v.map(|v| (*k, v))).collect();
+    respond_headers(s, status, content_type, body, &present).await
+}
+
+/// A whole response with `headers` besides the content type and length; true when it was
+/// written.
+pub(crate) async fn respond_headers(
+    s: &mut ServerSession,
+    status: u16,
+    content_type: &str,
+    body: Bytes,
+    headers: &[(&'static str, &str)],
+) -> bool {
+    let Ok(mut resp) = ResponseHeader::build(status, Some(4 + headers.len())) else { return false };
+    for (name, value) in headers {
+        let _ = resp.insert_header(*name, *value);
     }
     let _ = resp.insert_header("content-type", content_type);
     let _ = resp.insert_header("content-length", body.len().to_string());
-    if let Some(secs) = retry_after {
-        let _ = resp.insert_header("retry-after", secs.to_string());
-    }
     s.write_response_header(Box::new(resp)).await.is_ok() && s.write_response_body(body, true).await.is_ok()
 }

@@ -186,6 +186,9 @@ def check_scenario(name, values, release, objs, gateway_bin):
                   f"{tag} --validate should fail on the Secret paths {used} that only exist in the pod: {r.stdout}{r.stderr}")
         cfg = yaml.safe_load(text)
         check_edge(tag, merged(DEFAULTS, values), cfg, text, objs, release)
+        token = merged(DEFAULTS, values)["gateway"]["admin"]["tokenSha256"]
+        check(cfg.get("admin") == ({"token_sha256": token} if token else None),
+              f"{tag} admin.token_sha256 is gateway.admin.tokenSha256: {cfg.get('admin')}")
         k8s = cfg["discovery"].get("kubernetes", {})
         check(k8s == {"namespace": NS, "service": "sy-switchyard-engine", "port_name": "shim"},
               f"{tag} engines are discovered through the engine Service's EndpointSlices: {cfg['discovery']}")
@@ -261,9 +264,22 @@ def check_scenario(name, values, release, objs, gateway_bin):
     else:
         check(not so, f"{tag} no ScaledObject unless keda.enabled")
     sm = by_kind(objs, "ServiceMonitor")
+    admin_token = merged(DEFAULTS, values)["gateway"]["admin"]["tokenSha256"]
     if values.get("serviceMonitor", {}).get("enabled"):
         check(len(sm) == 1 and {e["port"] for e in sm[0]["spec"]["endpoints"]} == {"admin", "shim"},
               f"{tag} the ServiceMonitor scrapes the gateway's admin port and the sidecars")
+        admin_ep = next((e for e in sm[0]["spec"]["endpoints"] if e["port"] == "admin"), {}) if sm else {}
+        want = ({"type": "Bearer", "credentials": {"name": values["serviceMonitor"].get("bearerTokenSecret"),
+                                                   "key": "token"}} if admin_token else None)
+        check(admin_ep.get("authorization") == want,
+              f"{tag} the ServiceMonitor sends the admin token from its Secret: {admin_ep.get('authorization')}")
+    # The admin port: its own ClusterIP Service, never the API's (#24: /metrics names tenants).
+    services = {o["metadata"]["name"]: o for o in by_kind(objs, "Service")}
+    api, admin = services.get("sy-switchyard-gateway"), services.get("sy-switchyard-gateway-admin")
+    check(api and all(p["name"] != "admin" for p in api["spec"]["ports"]),
+          f"{tag} the API Service has no admin port")
+    check(admin and admin["spec"]["type"] == "ClusterIP" and [p["name"] for p in admin["spec"]["ports"]] == ["admin"],
+          f"{tag} the admin port has its own ClusterIP Service: {admin and admin['spec']}")
     if values.get("gateway", {}).get("hpa", {}).get("enabled"):
         check(by_kind(objs, "HorizontalPodAutoscaler"), f"{tag} a gateway HPA")
         check("replicas" not in by_kind(objs, "Deployment")[0]["spec"], f"{tag} the HPA owns the gateway's replicas")
@@ -359,7 +375,11 @@ async def main():
                        ({"gateway": {"config": {"tls": {"cert_file": "/x"}}}}, "config"),
                        ({"gateway": {"drain": {"gracePeriodSeconds": 5, "closeListenersAfterMs": 6000}}},
                         "closeListenersAfterMs"),
-                       ({"gateway": {"config": {"timeouts": {"request_body_ms": 30000}}}}, "body_read_timeout_ms")]:
+                       ({"gateway": {"config": {"timeouts": {"request_body_ms": 30000}}}}, "body_read_timeout_ms"),
+                       ({"gateway": {"admin": {"tokenSha256": "plain-token"}}}, "tokenSha256"),
+                       # Prometheus would get 401 without the token.
+                       ({"gateway": {"admin": {"tokenSha256": "ab" * 32}}, "serviceMonitor": {"enabled": True}},
+                        "bearerTokenSecret")]:
         try:
             await install(bad)
             failures.append(f"values {bad} were accepted")

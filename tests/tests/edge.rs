@@ -802,10 +802,8 @@ async fn http2_heads_obey_the_header_limits() {
     .await
     .unwrap();
     tokio::spawn(conn);
-    let completion = || {
-        hyper::Request::post(format!("http://{}/v1/completions", g.addr))
-            .header("content-type", "application/json")
-    };
+    let completion =
+        || hyper::Request::post(format!("http://{}/v1/completions", g.addr)).header("content-type", "application/json");
     let body = || http_body_util::Full::new(bytes::Bytes::from(small().to_string()));
     let mut many = completion();
     for i in 0..30 {
@@ -822,4 +820,39 @@ async fn http2_heads_obey_the_header_limits() {
     let ok = sender.send_request(completion().body(body()).unwrap()).await.unwrap();
     assert_eq!(ok.status(), 200, "the connection still serves a request within the limits");
     assert_eq!(engine.posts(), 1, "only that one reached the engine");
+}
+
+/// The admin listener (#24, high 4): with `admin.token_sha256` set, `/metrics` and
+/// `/admin/backends` need the bearer token (`/-/healthz`, the liveness probe, does not), and
+/// a client that stalls in its request head is cut off by the header deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_wants_its_token_and_cuts_off_stalled_heads() {
+    use tokio::io::AsyncWriteExt;
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let token = "adm-0123456789abcdef";
+    let g = GatewayProc::start(
+        &config(&engine.url())
+            .section("admin", &format!("{{ token_sha256: {} }}", sha256(token)))
+            .section("limits", "{ header_read_timeout_ms: 500 }"),
+    );
+    let bearer = format!("Bearer {token}");
+    for path in ["/metrics", "/admin/backends"] {
+        let none = send(g.admin, "GET", path, "").await;
+        assert_eq!(none.status, 401, "{path} without a token");
+        assert!(none.headers.get("www-authenticate").is_some_and(|v| v.to_str().unwrap().starts_with("Bearer")));
+        assert!(!none.text().await.contains(&engine.url()), "a refusal tells nothing");
+        let wrong = send_with(g.admin, "GET", path, &[("authorization", "Bearer adm-wrong")], "").await;
+        assert_eq!(wrong.status, 401, "{path} with a wrong token");
+        let right = send_with(g.admin, "GET", path, &[("authorization", &bearer)], "").await;
+        assert_eq!(right.status, 200, "{path} with the token");
+    }
+    assert_eq!(send(g.admin, "GET", "/-/healthz", "").await.status, 200, "liveness needs no token");
+
+    let mut s = tokio::net::TcpStream::connect(g.admin).await.unwrap();
+    let opened = Instant::now();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nX-Slow: ").await.unwrap();
+    let closed = closed_after(&mut s, opened).await.expect("a stalled admin request head was kept");
+    assert!(closed >= Duration::from_millis(450), "closed before the deadline: {closed:?}");
+    let m = send_with(g.admin, "GET", "/metrics", &[("authorization", &bearer)], "").await.text().await;
+    assert!(metric(&parse_metrics(&m), "switchyard_header_timeouts_total") >= 1.0);
 }

@@ -55,6 +55,12 @@ ones finish what they serve and get nothing new; the sidecars' /load carries the
 {{- end -}}
 {{- $_ := set $cfg "listen" (printf "0.0.0.0:%d" (int $gw.port)) -}}
 {{- $_ := set $cfg "admin_listen" (printf "0.0.0.0:%d" (int $gw.adminPort)) -}}
+{{- with $gw.admin.tokenSha256 -}}
+{{- if and $.Values.serviceMonitor.enabled (not $.Values.serviceMonitor.bearerTokenSecret) -}}
+{{- fail "gateway.admin.tokenSha256 is set: the ServiceMonitor needs serviceMonitor.bearerTokenSecret (a Secret with the token under key token) or Prometheus gets 401" -}}
+{{- end -}}
+{{- $_ := set $cfg "admin" (dict "token_sha256" .) -}}
+{{- end -}}
 {{- $k8s := dict "namespace" .Release.Namespace "service" (include "switchyard.engine" .) "port_name" "shim" -}}
 {{- $_ := set $cfg "discovery" (dict "kubernetes" $k8s) -}}
 {{- if $gw.tls.enabled -}}
