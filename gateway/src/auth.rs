@@ -26,7 +26,7 @@ use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::error::{Errors, FieldError};
+use crate::error::{ConfigError, Errors, FieldError};
 
 /// `auth`: absent or without keys, every request is let through unauthenticated.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -105,6 +105,25 @@ impl AuthConfig {
         } else {
             Err(errs)
         }
+    }
+
+    /// Every key, read now and checked as [`Self::check_files`] checks them: what a reload
+    /// of the key sources puts in force, or why it keeps the keys it has.
+    pub fn read_checked_keys(&self) -> Result<Vec<ApiKeyConfig>, ConfigError> {
+        let mut errs = Errors::default();
+        let keys = match self.all_keys() {
+            Ok(keys) => {
+                validate_keys(&keys, 0, &mut errs);
+                keys
+            }
+            Err(list) => {
+                for e in list {
+                    errs.add(e.field, e.value, e.reason);
+                }
+                Vec::new()
+            }
+        };
+        errs.into_result().map(|()| keys)
     }
 
     /// Field-level problems of the keys written in the file (pure; the key sources are

@@ -1,7 +1,9 @@
 //! Config hot reload and the shutdown hook.
 //!
 //! The file is polled every [`POLL_INTERVAL`] (content compared, which also catches the
-//! symlink swap Kubernetes does for a mounted ConfigMap) and reloaded on SIGHUP. A valid
+//! symlink swap Kubernetes does for a mounted ConfigMap) and reloaded on SIGHUP; so is
+//! `auth.keys_file`, whose change swaps in the new key table alone (a revoked key is refused
+//! within a poll; an unreadable or invalid file keeps the keys in force). A valid
 //! file is applied atomically ([`GatewayState::apply`]); an invalid one leaves the old
 //! config in force, is logged with every field error and counted as
 //! `switchyard_config_reloads_total{result="error"}`.
@@ -89,10 +91,39 @@ impl Reloader {
     }
 }
 
+impl Reloader {
+    /// What `auth.keys_file` holds now (`None` when there is none or it cannot be read).
+    fn keys_file_text(&self) -> Option<String> {
+        let path = self.state.active.load().config.auth.keys_file.clone()?;
+        std::fs::read_to_string(path).ok()
+    }
+
+    /// Reload the API keys if `auth.keys_file` differs from `last`; returns the text seen.
+    pub fn check_keys(&self, last: Option<String>) -> Option<String> {
+        let now = self.keys_file_text();
+        if now == last {
+            return now;
+        }
+        let result = match self.state.reload_keys() {
+            Ok(n) => {
+                tracing::info!(keys = n, "API keys reloaded");
+                "ok"
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "API key reload rejected; keeping the keys in force");
+                "error"
+            }
+        };
+        self.state.metrics.config_reloads.with_label_values(&[result]).inc();
+        now
+    }
+}
+
 #[async_trait]
 impl BackgroundService for Reloader {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let mut last = std::fs::read_to_string(&self.path).ok();
+        let mut last_keys = self.keys_file_text();
         let mut flush_due = std::time::Instant::now();
         let mut resolve_due = std::time::Instant::now();
         #[cfg(unix)]
@@ -118,6 +149,7 @@ impl BackgroundService for Reloader {
                 _ = hangup => last = self.check(&last, true),
                 _ = tokio::time::sleep(POLL_INTERVAL) => {
                     last = self.check(&last, false);
+                    last_keys = self.check_keys(last_keys);
                     if flush_due.elapsed() >= ACCESS_LOG_FLUSH {
                         self.state.access_log.flush();
                         self.check_certificates();

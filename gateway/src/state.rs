@@ -22,6 +22,7 @@ use crate::config::GatewayConfig;
 use crate::discovery::static_list::literal_resolve;
 use crate::discovery::{backend_specs, backend_specs_with, system_resolve};
 use crate::drain::Lifecycle;
+use crate::error::ConfigError;
 use crate::metrics::GatewayMetrics;
 use crate::policy::Policy;
 use crate::prefix::PrefixTracker;
@@ -169,6 +170,21 @@ impl GatewayState {
         let next = Arc::new(Active::new(old.config.clone(), cluster, old.auth.clone()));
         let prev = self.active.compare_and_swap(&old, next);
         Arc::ptr_eq(&prev, &old)
+    }
+
+    /// Read the API key sources again (`auth.keys_file`, e.g. a rotated Secret): a key
+    /// removed there is refused from now on, keys that stay keep their limiter state. A
+    /// source that cannot be read or holds a bad entry leaves the keys in force (the error
+    /// is returned). Returns the number of keys now in force.
+    pub fn reload_keys(&self) -> Result<usize, ConfigError> {
+        let old = self.active.load_full();
+        let keys = old.config.auth.read_checked_keys()?;
+        let n = keys.len();
+        let auth = Arc::new(Authenticator::build(old.config.auth.enabled(), keys, Some(&old.auth)));
+        let next = Arc::new(Active::new(old.config.clone(), old.cluster.clone(), auth));
+        // A config reload that swapped in meanwhile read the key sources itself.
+        self.active.compare_and_swap(&old, next);
+        Ok(n)
     }
 
     /// Swap in a new validated config: policy and backends change atomically; backends that

@@ -856,3 +856,47 @@ async fn the_admin_listener_wants_its_token_and_cuts_off_stalled_heads() {
     let m = send_with(g.admin, "GET", "/metrics", &[("authorization", &bearer)], "").await.text().await;
     assert!(metric(&parse_metrics(&m), "switchyard_header_timeouts_total") >= 1.0);
 }
+
+/// A key removed from `auth.keys_file` (a rotated Secret) is refused within 2 s (#24); the
+/// keys that stay keep working, and a file that turns unreadable as keys keeps the keys in
+/// force rather than locking everyone out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_removed_from_the_keys_file_is_refused_within_two_seconds() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let dir = scratch_dir("keys-revoke");
+    let keys_file = dir.join("keys.yaml");
+    let entry = |tenant: &str, key: &str| format!("- {{ tenant: {tenant}, key_sha256: {} }}\n", sha256(key));
+    // Written as Kubernetes updates a mounted Secret: a new file renamed over the old.
+    let write = |text: String| {
+        let tmp = dir.join("keys.yaml.tmp");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, &keys_file).unwrap();
+    };
+    write(entry("team-a", KEY_A) + &entry("team-b", KEY_B));
+    let g = GatewayProc::start(&config(&engine.url()).keys_file(&keys_file));
+    wait_scraped(&g, 1).await;
+    for key in [KEY_A, KEY_B] {
+        assert_eq!(call(g.addr, Some(key), &small()).await.status, 200);
+    }
+
+    write(entry("team-a", KEY_A));
+    let removed = Instant::now();
+    let refused_after = loop {
+        if call(g.addr, Some(KEY_B), &small()).await.status == 401 {
+            break removed.elapsed();
+        }
+        assert!(removed.elapsed() < PATIENCE, "a removed key still works after {PATIENCE:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    eprintln!("the removed key was refused {refused_after:?} after the file changed");
+    assert!(refused_after < Duration::from_secs(2), "refused only after {refused_after:?}");
+    assert_eq!(call(g.addr, Some(KEY_A), &small()).await.status, 200, "a key that stays keeps working");
+
+    write("not: [a list of keys".into());
+    wait_for_metrics(g.admin, PATIENCE, "the bad key file is counted", |m| {
+        metric_where(m, "switchyard_config_reloads_total", "result", "error") >= 1.0
+    })
+    .await;
+    assert_eq!(call(g.addr, Some(KEY_A), &small()).await.status, 200, "a bad file keeps the keys in force");
+    assert_eq!(call(g.addr, Some(KEY_B), &small()).await.status, 401);
+}
