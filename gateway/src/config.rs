@@ -603,6 +603,9 @@ impl TimeoutsConfig {
 pub struct AdmissionConfig {
     /// Requests held at most.
     pub max_queue: usize,
+    /// Requests one tenant (API key's `tenant`) may have held at once (unset: only
+    /// `max_queue`): past it 429, so one tenant's burst cannot fill the queue for all.
+    pub max_queue_per_tenant: Option<usize>,
     /// Longest wait of one request.
     pub max_wait_ms: u64,
     /// A request header carrying an integer priority (higher leaves the queue first);
@@ -622,6 +625,7 @@ impl Default for AdmissionConfig {
     fn default() -> Self {
         AdmissionConfig {
             max_queue: DEFAULT_MAX_QUEUE,
+            max_queue_per_tenant: None,
             max_wait_ms: 0,
             priority_header: None,
             max_header_priority: 0,
@@ -635,6 +639,9 @@ impl AdmissionConfig {
     fn validate(&self, errs: &mut Errors) {
         if self.max_wait_ms > 0 && self.max_queue == 0 {
             errs.add("admission.max_queue", 0, "must be >= 1 when admission.max_wait_ms > 0");
+        }
+        if self.max_queue_per_tenant == Some(0) {
+            errs.add("admission.max_queue_per_tenant", 0, "must be >= 1 (unset: no per-tenant cap)");
         }
         if self.saturated_waiting.is_some_and(|t| !(t >= 0.0 && t.is_finite())) {
             errs.add("admission.saturated_waiting", format!("{:?}", self.saturated_waiting), "must be >= 0");

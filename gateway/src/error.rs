@@ -146,6 +146,16 @@ pub enum ProxyError {
         /// Seconds until the request would pass.
         retry_after_secs: u64,
     },
+    /// The tenant already has `admission.max_queue_per_tenant` requests waiting (429).
+    #[error(
+        "{tenant} already has {max} requests waiting for an engine (admission.max_queue_per_tenant); retry shortly"
+    )]
+    TenantQueueFull {
+        /// The key's tenant.
+        tenant: String,
+        /// Its cap.
+        max: usize,
+    },
     /// Header block over `limits.max_header_bytes` or `limits.max_headers` (431).
     #[error("{0}")]
     HeaderTooLarge(String),
@@ -246,7 +256,7 @@ impl ProxyError {
             ProxyError::Upstream(_) => 502,
             ProxyError::UpstreamTimeout(_) => 504,
             ProxyError::Unauthorized(_) => 401,
-            ProxyError::RateLimited { .. } => 429,
+            ProxyError::RateLimited { .. } | ProxyError::TenantQueueFull { .. } => 429,
             ProxyError::HeaderTooLarge(_) => 431,
             ProxyError::StreamBroken(_) => 502,
         }
@@ -269,6 +279,7 @@ impl ProxyError {
             ProxyError::Unauthorized(_) => "unauthorized",
             ProxyError::RateLimited { what: "tokens", .. } => "rate_limited_tokens",
             ProxyError::RateLimited { .. } => "rate_limited_requests",
+            ProxyError::TenantQueueFull { .. } => "tenant_queue_full",
             ProxyError::HeaderTooLarge(_) => "header_too_large",
             ProxyError::StreamBroken(kind) => kind.label(),
         }
@@ -276,8 +287,10 @@ impl ProxyError {
 
     /// OpenAI error `type`.
     pub fn error_type(&self) -> &'static str {
-        if let ProxyError::RateLimited { what, .. } = self {
-            return what;
+        match self {
+            ProxyError::RateLimited { what, .. } => return what,
+            ProxyError::TenantQueueFull { .. } => return "requests",
+            _ => {}
         }
         match self.status() {
             400 | 401 | 405 | 408 | 413 | 431 => "invalid_request_error",
@@ -291,7 +304,7 @@ impl ProxyError {
         match self {
             ProxyError::ModelNotFound(_) => Some("model_not_found"),
             ProxyError::Unauthorized(_) => Some("invalid_api_key"),
-            ProxyError::RateLimited { .. } => Some("rate_limit_exceeded"),
+            ProxyError::RateLimited { .. } | ProxyError::TenantQueueFull { .. } => Some("rate_limit_exceeded"),
             ProxyError::StreamBroken(kind) => Some(kind.label()),
             _ => None,
         }
@@ -315,7 +328,7 @@ impl ProxyError {
     /// Seconds a client should wait before retrying (503, 429).
     pub fn retry_after_secs(&self) -> Option<u64> {
         match self {
-            ProxyError::NoBackend(_) | ProxyError::BodyBufferFull => Some(1),
+            ProxyError::NoBackend(_) | ProxyError::BodyBufferFull | ProxyError::TenantQueueFull { .. } => Some(1),
             ProxyError::RateLimited { retry_after_secs, .. } => Some(*retry_after_secs),
             _ => None,
         }

@@ -900,3 +900,48 @@ async fn a_key_removed_from_the_keys_file_is_refused_within_two_seconds() {
     assert_eq!(call(g.addr, Some(KEY_A), &small()).await.status, 200, "a bad file keeps the keys in force");
     assert_eq!(call(g.addr, Some(KEY_B), &small()).await.status, 401);
 }
+
+/// `admission.max_queue_per_tenant` (#24): one tenant's burst cannot fill the queue that
+/// KEDA scales on and everyone waits in — past its share it gets 429 at once, counted, while
+/// another tenant still queues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_cannot_fill_the_admission_queue() {
+    let port = free_port();
+    let g = GatewayProc::start(
+        &GatewayConfigBuilder::new()
+            .backend_serving(&format!("http://127.0.0.1:{port}"), &["m"])
+            .scrape_timeout_ms(300)
+            .api_key(ApiKey::new("team-a", &sha256(KEY_A)))
+            .api_key(ApiKey::new("team-b", &sha256(KEY_B)))
+            .section("admission", "{ max_queue: 100, max_wait_ms: 60000, max_queue_per_tenant: 2 }"),
+    );
+    eventually("the absent engine is marked down", async || backends(&g).await["backends"][0]["state"] == "down").await;
+    let body = json!({"model": "m", "prompt": "x", "max_tokens": 1});
+    let waiting: Vec<_> = [KEY_A, KEY_A, KEY_B]
+        .into_iter()
+        .map(|key| {
+            let (addr, body) = (g.addr, body.clone());
+            tokio::spawn(async move { call(addr, Some(key), &body).await.status })
+        })
+        .collect();
+    eventually("three requests queued", async || metric(&scrape(g.admin).await, "switchyard_queue_depth") == 3.0).await;
+    let refused = call(g.addr, Some(KEY_A), &body).await;
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.headers.get("retry-after").map(|v| v.to_str().unwrap().to_string()).as_deref(), Some("1"));
+    let v = refused.json().await;
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded", "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("max_queue_per_tenant"), "{v}");
+    let m = scrape(g.admin).await;
+    assert_eq!(metric_where(&m, "switchyard_rejected_total", "reason", "tenant_queue_full"), 1.0);
+    assert_eq!(metric(&m, "switchyard_queue_depth"), 3.0, "the refused one never queued");
+    for w in waiting {
+        w.abort();
+    }
+    eventually("the waiters left", async || metric(&scrape(g.admin).await, "switchyard_queue_depth") == 0.0).await;
+    // Its places given back, the tenant queues again.
+    let addr = g.addr;
+    let again =
+        tokio::spawn(async move { call(addr, Some(KEY_A), &json!({"model": "m", "prompt": "x"})).await.status });
+    eventually("team-a queues again", async || metric(&scrape(g.admin).await, "switchyard_queue_depth") == 1.0).await;
+    again.abort();
+}

@@ -252,9 +252,10 @@ impl ProxyApp {
             Err(e) => return self.reject_or_fail(s, e, ctx).await,
         };
         // Hold the request while no engine can take it; then route on what is current.
-        let ticket = match self.queue(s, &plan.model, ctx.started, plan.priority).await {
+        let tenant = ctx.tenant.as_ref().map(|t| t.name.as_str());
+        let ticket = match self.queue(s, &plan.model, ctx.started, plan.priority, tenant).await {
             queue::Admitted::Go(t) => t,
-            queue::Admitted::Refused(e) => return self.fail(s, e, ctx).await,
+            queue::Admitted::Refused(e) => return self.reject_or_fail(s, e, ctx).await,
             queue::Admitted::ClientGone => {
                 ctx.status = 499;
                 ctx.client_gone();
@@ -294,7 +295,8 @@ impl ProxyApp {
     /// [`Self::reject`] for the gateway's own refusals (limits, keys, rates), [`Self::fail`]
     /// for everything else.
     async fn reject_or_fail(&self, s: &mut ServerSession, e: ProxyError, ctx: &mut RequestCtx) -> bool {
-        if matches!(e, ProxyError::RateLimited { .. } | ProxyError::BodyBufferFull) {
+        if matches!(e, ProxyError::RateLimited { .. } | ProxyError::TenantQueueFull { .. } | ProxyError::BodyBufferFull)
+        {
             self.reject(s, e, ctx).await
         } else {
             self.fail(s, e, ctx).await

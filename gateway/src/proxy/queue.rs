@@ -1,11 +1,12 @@
 //! The `queue` phase: hold a request while no engine can take it
 //! ([`crate::config::AdmissionConfig`], order from [`crate::admission`]).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pingora::protocols::http::ServerSession;
 
-use crate::admission::Ticket;
+use crate::admission::{Full, TenantCap, Ticket};
 use crate::error::ProxyError;
 use crate::metrics::GatewayMetrics;
 
@@ -44,7 +45,14 @@ impl ProxyApp {
     /// autoscaling reads). The first waiter re-checks the cluster view every [`RECHECK`] and
     /// whenever the waiter before it left. The ticket returned is kept until the request is
     /// counted in flight on a backend, so the next waiter sees that engine one request busier.
-    pub(super) async fn queue(&self, s: &mut ServerSession, model: &str, started: Instant, priority: i32) -> Admitted {
+    pub(super) async fn queue(
+        &self,
+        s: &mut ServerSession,
+        model: &str,
+        started: Instant,
+        priority: i32,
+        tenant: Option<&str>,
+    ) -> Admitted {
         let ready = || {
             let active = self.state.active.load();
             let (candidates, known) = routable(&active, model, &[]);
@@ -57,8 +65,15 @@ impl ProxyApp {
         if adm.max_wait_ms == 0 || (queue.is_empty() && ready()) {
             return Admitted::Go(None);
         }
-        let Some(ticket) = queue.try_enter(priority, adm.max_queue) else {
-            return Admitted::Refused(ProxyError::NoBackend(model.to_string()));
+        let tenant: Option<Arc<str>> = tenant.filter(|_| adm.max_queue_per_tenant.is_some()).map(Into::into);
+        let cap = tenant.as_ref().zip(adm.max_queue_per_tenant).map(|(tenant, max)| TenantCap { tenant, max });
+        let ticket = match queue.try_enter(priority, adm.max_queue, cap) {
+            Ok(t) => t,
+            Err(Full::Queue) => return Admitted::Refused(ProxyError::NoBackend(model.to_string())),
+            Err(Full::Tenant) => {
+                let (tenant, max) = (tenant.as_deref().unwrap_or_default().to_string(), cap.map_or(0, |c| c.max));
+                return Admitted::Refused(ProxyError::TenantQueueFull { tenant, max });
+            }
         };
         let metrics = &self.state.metrics;
         metrics.queue_depth.inc();
