@@ -125,8 +125,10 @@ pub enum ProxyError {
     /// The model exists but no backend can take the request now (503).
     #[error("no backend available for model `{0}`")]
     NoBackend(String),
-    /// Every attempt failed to reach an engine (502).
-    #[error("could not reach an engine: {0}")]
+    /// Every attempt failed to reach an engine (502). The detail (an engine's address, the
+    /// OS error) is for the logs ([`ProxyError::log_detail`]); the client's body says only
+    /// that no engine could be reached.
+    #[error("could not reach an engine")]
     Upstream(String),
     /// The engine did not answer in time (504).
     #[error("the engine did not answer within {0} ms")]
@@ -242,6 +244,15 @@ impl ProxyError {
     /// `param` of the request has `got` entries (`what`), more than `max`.
     pub fn too_long(param: &'static str, what: &'static str, max: usize, got: usize) -> Self {
         ProxyError::TooLong { param, what, max, got }
+    }
+
+    /// What a log line says about it: the error, or for [`ProxyError::Upstream`] the detail
+    /// its client-facing text leaves out.
+    pub fn log_detail(&self) -> &dyn std::fmt::Display {
+        match self {
+            ProxyError::Upstream(detail) => detail,
+            other => other,
+        }
     }
 
     /// HTTP status.

@@ -123,6 +123,11 @@ impl GatewayProc {
     /// sockets listen (`listening on http[s]://ADDR`, `admin listening on http://ADDR`).
     /// Everything it writes, those lines included, goes to its log file.
     pub fn start(config: &GatewayConfigBuilder) -> GatewayProc {
+        GatewayProc::start_logging(config, "info")
+    }
+
+    /// [`GatewayProc::start`] with `RUST_LOG` at `level` (`debug`, …).
+    pub fn start_logging(config: &GatewayConfigBuilder, level: &str) -> GatewayProc {
         let dir = scratch_dir("gateway");
         let config_path = dir.join("gateway.yaml");
         std::fs::write(&config_path, config.render()).unwrap();
@@ -131,7 +136,7 @@ impl GatewayProc {
         let mut child = Command::new(workspace_bin("switchyard-gateway"))
             .arg("--config")
             .arg(&config_path)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", level)
             .stdout(Stdio::piped())
             .stderr(append())
             .spawn()

@@ -945,3 +945,40 @@ async fn one_tenant_cannot_fill_the_admission_queue() {
     eventually("team-a queues again", async || metric(&scrape(g.admin).await, "switchyard_queue_depth") == 1.0).await;
     again.abort();
 }
+
+/// A 502 tells the client that no engine could be reached and nothing about the engines:
+/// no address, no OS error (#24, low). Those go to the gateway's log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_502_names_no_engine_address() {
+    let port = free_port();
+    let backend = format!("http://127.0.0.1:{port}");
+    // Models declared and scrapes rare, so the proxy itself tries (and fails) to connect.
+    let g = GatewayProc::start(
+        &GatewayConfigBuilder::new()
+            .backend_serving(&backend, &["m"])
+            .scrape_interval_ms(60000)
+            .stale_after_ms(60000)
+            .down_after_failures(100),
+    );
+    let r = post(g.addr, "/v1/completions", &json!({"model": "m", "prompt": "p"})).await;
+    assert_eq!(r.status, 502);
+    let text = r.text().await;
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["message"], "could not reach an engine", "{text}");
+    assert!(!text.contains("127.0.0.1") && !text.contains(&port.to_string()), "{text}");
+}
+
+/// A head that does not parse is logged (at debug) by its kind only: pingora's error carries
+/// the raw bytes, `Authorization` included (#24, low).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unparseable_head_is_logged_without_its_bytes() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let g = GatewayProc::start_logging(&config(&engine.url()), "debug");
+    let secret = "sk-never-in-a-log-0123";
+    let head =
+        format!("POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {secret}\r\nno colon here\r\n\r\n");
+    let (reply, _) = raw_exchange(g.addr, head.as_bytes(), Duration::from_secs(5)).await;
+    assert!(reply.starts_with("HTTP/1.1 400"), "{reply}");
+    eventually("the parse failure is logged", async || g.log().contains("failed to read a request header")).await;
+    assert!(!g.log().contains(secret), "the key reached the log");
+}

@@ -127,7 +127,7 @@ impl ProxyApp {
                     return false;
                 }
                 Err(AttemptError::Upstream(kind, error)) => {
-                    self.upstream_failed(&active, Some(pick.index), kind, &error);
+                    self.upstream_failed(&active, Some(pick.index), kind, error.log_detail());
                     if !kind.retryable() {
                         return self.fail(s, error, ctx).await;
                     }
@@ -210,7 +210,7 @@ impl ProxyApp {
             return false;
         }
         let error = ProxyError::Upstream(format!("engine answered {status}"));
-        self.upstream_failed(active, Some(index), UpstreamErrorKind::RetriedStatus, &error);
+        self.upstream_failed(active, Some(index), UpstreamErrorKind::RetriedStatus, error.log_detail());
         ctx.last_error = Some(error);
         self.state.metrics.retries.inc();
         ctx.retries += 1;

@@ -128,7 +128,9 @@ impl ProxyApp {
             Ok(Ok(true)) => {}
             Ok(Ok(false)) => return false,
             Ok(Err(e)) => {
-                tracing::debug!(error = %e, "failed to read a request header");
+                // Only the kind: pingora's error carries the raw head, which may hold an
+                // `Authorization` key.
+                tracing::debug!(error = e.etype().as_str(), "failed to read a request header");
                 if e.etype() == &pingora::ErrorType::InvalidHTTPHeader {
                     let _ = session.respond_error(400).await;
                 }
