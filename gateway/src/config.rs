@@ -307,6 +307,20 @@ pub struct KubernetesDiscovery {
     /// The API server (default: in-cluster service account, else the kubeconfig).
     #[serde(default)]
     pub api_server: Option<String>,
+    /// Only slices whose `endpointslice.kubernetes.io/managed-by` label is this are used
+    /// (default: Kubernetes' own EndpointSlice controller), so a slice someone else created
+    /// with the Service's name cannot steer traffic; empty: any slice the selector matches.
+    #[serde(default = "default_managed_by")]
+    pub managed_by: String,
+}
+
+/// The label EndpointSlice controllers sign their slices with.
+pub const MANAGED_BY_LABEL: &str = "endpointslice.kubernetes.io/managed-by";
+/// Default `discovery.kubernetes.managed_by`: Kubernetes' EndpointSlice controller.
+pub const DEFAULT_MANAGED_BY: &str = "endpointslice-controller.k8s.io";
+
+fn default_managed_by() -> String {
+    DEFAULT_MANAGED_BY.into()
 }
 
 impl KubernetesDiscovery {
@@ -328,12 +342,17 @@ impl KubernetesDiscovery {
         }
     }
 
-    /// The label selector over EndpointSlices.
+    /// The label selector over EndpointSlices (the managed-by requirement included).
     pub fn selector(&self) -> String {
-        match (&self.service, &self.label_selector) {
+        let base = match (&self.service, &self.label_selector) {
             (Some(s), _) => format!("kubernetes.io/service-name={s}"),
             (None, Some(l)) => l.clone(),
             (None, None) => String::new(),
+        };
+        match (base.is_empty(), self.managed_by.is_empty()) {
+            (_, true) => base,
+            (true, false) => format!("{MANAGED_BY_LABEL}={}", self.managed_by),
+            (false, false) => format!("{base},{MANAGED_BY_LABEL}={}", self.managed_by),
         }
     }
 }

@@ -21,6 +21,8 @@ struct Inner {
     watches: usize,
     /// Watches from a version at or below this get 410 Gone.
     expired_below: u64,
+    /// The `labelSelector` of every list and watch, in order.
+    selectors: Vec<String>,
 }
 
 /// The fake server; dropping it stops nothing (the runtime does).
@@ -37,6 +39,7 @@ fn line(v: &Value) -> Bytes {
 
 async fn handle(State(k): State<FakeKube>, Query(q): Query<BTreeMap<String, String>>) -> Response {
     let mut g = k.inner.lock().unwrap();
+    g.selectors.push(q.get("labelSelector").cloned().unwrap_or_default());
     if q.get("watch").map(String::as_str) != Some("true") {
         g.lists += 1;
         let items: Vec<Value> = g.slices.values().cloned().collect();
@@ -86,7 +89,8 @@ impl FakeKube {
     /// An EndpointSlice `name` with port `shim` = `port` and `(address, ready, terminating)`.
     pub fn slice(name: &str, port: u16, endpoints: &[(&str, bool, bool)]) -> Value {
         json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-               "metadata": {"name": name, "namespace": "serving", "labels": {"kubernetes.io/service-name": "engines"}},
+               "metadata": {"name": name, "namespace": "serving", "labels": {"kubernetes.io/service-name": "engines",
+                   "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
                "addressType": "IPv4", "ports": [{"name": "shim", "port": port, "protocol": "TCP"}],
                "endpoints": endpoints.iter().map(|(a, r, t)| json!({"addresses": [a],
                    "conditions": {"ready": r, "serving": *r || *t, "terminating": t}})).collect::<Vec<_>>()})
@@ -112,6 +116,19 @@ impl FakeKube {
         g.slices = slices.into_iter().map(|s| (s["metadata"]["name"].as_str().unwrap().to_string(), s)).collect();
         g.expired_below = g.rv;
         g.watchers.clear();
+    }
+
+    /// The `labelSelector` of every list and watch so far (this fake does not filter by it).
+    pub fn selectors(&self) -> Vec<String> {
+        self.inner.lock().unwrap().selectors.clone()
+    }
+
+    /// A slice like [`FakeKube::slice`] that Kubernetes' EndpointSlice controller did not
+    /// make: no `endpointslice.kubernetes.io/managed-by` label.
+    pub fn forged_slice(name: &str, port: u16, endpoints: &[(&str, bool, bool)]) -> Value {
+        let mut s = FakeKube::slice(name, port, endpoints);
+        s["metadata"]["labels"].as_object_mut().unwrap().remove("endpointslice.kubernetes.io/managed-by");
+        s
     }
 
     /// `(lists, watches)` served so far.

@@ -78,6 +78,20 @@ async fn endpointslices_drive_the_backend_set() {
     wait_scraped(&g, 1).await;
     let r = post(g.addr, "/v1/completions", &json!({"prompt": "after", "max_tokens": 2})).await;
     assert_eq!(r.status, 200);
+
+    // A slice with the Service's name that the EndpointSlice controller did not make is not
+    // routed to (#24): the gateway asks for the controller's slices and checks the label.
+    let sink = free_port();
+    kube.apply(FakeKube::forged_slice("engines-forged", sink, &[("127.0.0.1", true, false)]));
+    // A real change after it: once it shows, the forged one was seen (and left out).
+    kube.apply(FakeKube::slice("engines-b", p2, &[("127.0.0.1", true, false)]));
+    wait_backends(&g, &[u1.clone(), u2.clone()]).await;
+    let managed = "endpointslice.kubernetes.io/managed-by=endpointslice-controller.k8s.io";
+    assert!(
+        kube.selectors().iter().all(|s| s == &format!("kubernetes.io/service-name=engines,{managed}")),
+        "{:?}",
+        kube.selectors()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,7 +9,10 @@
 //! - an endpoint takes new requests only while `conditions.ready` is true (unset counts as
 //!   true, as the API defines it) and it is not `terminating`;
 //! - a terminating endpoint leaves the set at once, so it gets no new request, while the
-//!   requests already streaming from it finish on their own connections.
+//!   requests already streaming from it finish on their own connections;
+//! - only slices managed by `discovery.kubernetes.managed_by` (Kubernetes' EndpointSlice
+//!   controller by default) count: the selector asks the API server for them, and
+//!   [`ready_urls`] checks the label again.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -22,14 +25,22 @@ use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 
 use super::Publisher;
-use crate::config::KubernetesDiscovery;
+use crate::config::{KubernetesDiscovery, MANAGED_BY_LABEL};
 
 /// Backend URLs of the endpoints that may take new requests, sorted and without repeats.
 /// `port_name` picks the slice port (empty: the slice's only port); slices without it are
-/// skipped.
-pub fn ready_urls<'a>(slices: impl IntoIterator<Item = &'a EndpointSlice>, port_name: &str) -> Vec<String> {
+/// skipped, as are slices not labelled managed by `managed_by` (empty: any).
+pub fn ready_urls<'a>(
+    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+    port_name: &str,
+    managed_by: &str,
+) -> Vec<String> {
     let mut urls = Vec::new();
     for slice in slices {
+        let manager = slice.metadata.labels.as_ref().and_then(|l| l.get(MANAGED_BY_LABEL));
+        if !managed_by.is_empty() && manager.map(String::as_str) != Some(managed_by) {
+            continue;
+        }
         let ports = slice.ports.as_deref().unwrap_or_default();
         let port = if port_name.is_empty() {
             (ports.len() == 1).then(|| ports[0].port).flatten()
@@ -76,7 +87,7 @@ impl K8sDiscovery {
     }
 
     async fn publish(&self, slices: &BTreeMap<String, EndpointSlice>) {
-        let urls = ready_urls(slices.values(), &self.cfg.port_name);
+        let urls = ready_urls(slices.values(), &self.cfg.port_name, &self.cfg.managed_by);
         self.publisher.publish(urls, "kubernetes").await;
     }
 }
@@ -144,9 +155,11 @@ impl BackgroundService for K8sDiscovery {
 mod tests {
     use super::*;
 
+    const CONTROLLER: &str = crate::config::DEFAULT_MANAGED_BY;
+
     fn slice(name: &str, v6: bool, port: (&str, i32), eps: &[(&str, Option<bool>, Option<bool>)]) -> EndpointSlice {
         serde_json::from_value(serde_json::json!({
-            "metadata": {"name": name},
+            "metadata": {"name": name, "labels": {MANAGED_BY_LABEL: CONTROLLER}},
             "addressType": if v6 { "IPv6" } else { "IPv4" },
             "ports": [{"name": port.0, "port": port.1}, {"name": "metrics", "port": 9999}],
             "endpoints": eps.iter().map(|(a, ready, term)| serde_json::json!({
@@ -173,11 +186,35 @@ mod tests {
         let b = slice("b", true, ("shim", 8001), &[("fd00::5", Some(true), Some(false))]);
         let c = slice("c", false, ("other", 1), &[("10.0.0.9", Some(true), None)]);
         assert_eq!(
-            ready_urls([&a, &b, &c], "shim"),
+            ready_urls([&a, &b, &c], "shim", CONTROLLER),
             vec!["http://10.0.0.1:8001", "http://10.0.0.4:8001", "http://[fd00::5]:8001"]
         );
         // Without a port name, a slice needs exactly one port.
-        assert!(ready_urls([&a], "").is_empty());
-        assert!(ready_urls(std::iter::empty(), "shim").is_empty());
+        assert!(ready_urls([&a], "", CONTROLLER).is_empty());
+        assert!(ready_urls(std::iter::empty(), "shim", CONTROLLER).is_empty());
+    }
+
+    #[test]
+    fn only_slices_of_the_configured_manager_count() {
+        let real = slice("real", false, ("shim", 8001), &[("10.0.0.1", Some(true), None)]);
+        let mut forged = slice("forged", false, ("shim", 8001), &[("203.0.113.9", Some(true), None)]);
+        forged.metadata.labels = None;
+        let mut other = slice("other", false, ("shim", 8001), &[("10.0.0.2", Some(true), None)]);
+        other.metadata.labels.as_mut().unwrap().insert(MANAGED_BY_LABEL.into(), "someone-else".into());
+        assert_eq!(ready_urls([&real, &forged, &other], "shim", CONTROLLER), vec!["http://10.0.0.1:8001"]);
+        assert_eq!(ready_urls([&real, &forged, &other], "shim", "").len(), 3, "empty: any manager");
+    }
+
+    #[test]
+    fn the_selector_asks_for_the_managers_slices() {
+        let cfg: KubernetesDiscovery =
+            serde_yaml::from_str("{ namespace: serving, service: engines, port_name: shim }").unwrap();
+        assert_eq!(
+            cfg.selector(),
+            "kubernetes.io/service-name=engines,endpointslice.kubernetes.io/managed-by=endpointslice-controller.k8s.io"
+        );
+        let any: KubernetesDiscovery =
+            serde_yaml::from_str("{ namespace: serving, label_selector: app=x, managed_by: '' }").unwrap();
+        assert_eq!(any.selector(), "app=x");
     }
 }
