@@ -1,6 +1,8 @@
 //! The scrape loop, the sidecar's one background task: every `scrape_interval` it fetches the
 //! engine's `/metrics`, `/health` and `/v1/models`, one after the other and each within
-//! [`FETCH_TIMEOUT`], lets [`assess`] decide, and swaps the snapshot and the ready flag in.
+//! [`FETCH_TIMEOUT`] and [`MAX_FETCH_BYTES`] (an engine that trickles or floods its answer
+//! fails the check instead of holding the loop or the sidecar's memory), lets [`assess`]
+//! decide, and swaps the snapshot and the ready flag in.
 //!
 //! [`super::run`] starts it and aborts it on the way out; nothing else starts tasks.
 
@@ -16,19 +18,29 @@ use crate::process::unix_ms;
 
 /// How long one fetch from the engine may take, body included.
 pub(crate) const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
+/// The largest answer read from the engine (vLLM's `/metrics` with many LoRA adapters is a
+/// few hundred KiB; the gateway's scraper has the same cap).
+pub(crate) const MAX_FETCH_BYTES: usize = 8 * 1024 * 1024;
 
 impl Sidecar {
-    /// `GET path` on the engine, the whole body collected.
+    /// `GET path` on the engine, the whole body collected, within [`FETCH_TIMEOUT`] and
+    /// [`MAX_FETCH_BYTES`].
     async fn fetch(&self, path: &str) -> Fetched {
         let uri = super::proxy::engine_uri(&self.config.engine, path).map_err(|e| e.to_string())?;
         let req = axum::http::Request::get(uri).body(Body::empty()).map_err(|e| e.to_string())?;
-        let resp = tokio::time::timeout(FETCH_TIMEOUT, self.client.request(req))
+        let whole = async {
+            let resp = self.client.request(req).await.map_err(|e| format!("{path}: {e}"))?;
+            let status = resp.status();
+            let body = http_body_util::Limited::new(resp.into_body(), MAX_FETCH_BYTES)
+                .collect()
+                .await
+                .map_err(|e| format!("{path}: {e} (at most {MAX_FETCH_BYTES} bytes are read)"))?
+                .to_bytes();
+            Ok((status, body))
+        };
+        tokio::time::timeout(FETCH_TIMEOUT, whole)
             .await
-            .map_err(|_| format!("{path}: no answer within 5 s"))?
-            .map_err(|e| format!("{path}: {e}"))?;
-        let status = resp.status();
-        let body = resp.into_body().collect().await.map_err(|e| format!("{path}: {e}"))?.to_bytes();
-        Ok((status, body))
+            .map_err(|_| format!("{path}: no whole answer within {} s", FETCH_TIMEOUT.as_secs()))?
     }
 }
 

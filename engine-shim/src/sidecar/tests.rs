@@ -346,3 +346,39 @@ fn the_engine_url_must_be_http_with_a_host() {
         assert_eq!(e.to_string(), format!("--engine-url `{bad}` must be http://HOST:PORT"));
     }
 }
+
+/// An engine whose `/metrics` floods or trickles fails the check instead of holding the
+/// scrape loop or the sidecar's memory (#24, low).
+#[tokio::test]
+async fn a_flooding_or_trickling_metrics_answer_fails_the_check() {
+    let flood = Router::new()
+        .route("/metrics", get(|| async { "x".repeat(scrape::MAX_FETCH_BYTES + 1) }))
+        .route("/health", get(|| async { "" }))
+        .route("/v1/models", get(|| async { r#"{"object":"list","data":[{"id":"llama"}]}"# }));
+    let sh = sidecar(config(serve(flood).await));
+    scrape_once(&sh).await;
+    let error = sh.last_scrape().error.clone().unwrap_or_default();
+    assert!(error.contains("at most"), "{error}");
+
+    // A header, then a body that never ends.
+    let trickle = Router::new()
+        .route(
+            "/metrics",
+            get(|| async {
+                let (tx, rx) = mpsc::channel(1);
+                tokio::spawn(async move {
+                    let _ = tx.send(Bytes::from_static(b"# HELP ")).await;
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                    drop(tx);
+                });
+                Body::new(ChannelBody(rx))
+            }),
+        )
+        .route("/health", get(|| async { "" }))
+        .route("/v1/models", get(|| async { r#"{"object":"list","data":[{"id":"llama"}]}"# }));
+    let sh = sidecar(config(serve(trickle).await));
+    let started = Instant::now();
+    tokio::time::timeout(scrape::FETCH_TIMEOUT * 4, scrape_once(&sh)).await.expect("the scrape ended");
+    let error = sh.last_scrape().error.clone().unwrap_or_default();
+    assert!(error.contains("no whole answer"), "{error} after {:?}", started.elapsed());
+}
