@@ -17,6 +17,7 @@ use pingora::tls::CertificateDer;
 use pingora::tls::{ClientHello, CryptoProvider, PrivateKeyDer, ResolvesServerCert, ServerName};
 use rustls_pki_types::pem::PemObject;
 use serde::Deserialize;
+use sha2::{Digest, Sha256};
 
 use crate::error::Errors;
 
@@ -91,12 +92,23 @@ fn parse_pair(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<CertifiedKey>, Stri
     Ok(key)
 }
 
-/// The certificates in force: the pairs they were read from, the bytes read, and what
-/// rustls serves for each (same order, the default first).
+/// SHA-256 over a pair's certificate and key bytes: what a reload compares, so the store
+/// never keeps a private key's PEM around (the parsed key lives in rustls' signing key only).
+fn pair_digest(cert_pem: &[u8], key_pem: &[u8]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    for part in [cert_pem, key_pem] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part);
+    }
+    h.finalize().into()
+}
+
+/// The certificates in force: the pairs they were read from, a digest of the bytes read,
+/// and what rustls serves for each (same order, the default first).
 #[derive(Debug)]
 struct Set {
     pairs: Vec<CertPair>,
-    files: Vec<(Vec<u8>, Vec<u8>)>,
+    digests: Vec<[u8; 32]>,
     keys: Vec<Arc<CertifiedKey>>,
 }
 
@@ -104,16 +116,17 @@ impl Set {
     /// Read and parse `pairs`; errors name the certificate file.
     fn load(pairs: Vec<CertPair>) -> Result<Self, String> {
         let files = pairs.iter().map(read_pair).collect::<Result<Vec<_>, _>>()?;
-        Self::parse(pairs, files)
+        Self::parse(pairs, &files)
     }
 
-    fn parse(pairs: Vec<CertPair>, files: Vec<(Vec<u8>, Vec<u8>)>) -> Result<Self, String> {
+    fn parse(pairs: Vec<CertPair>, files: &[(Vec<u8>, Vec<u8>)]) -> Result<Self, String> {
         let keys = pairs
             .iter()
-            .zip(&files)
+            .zip(files)
             .map(|(p, (cert, key))| parse_pair(cert, key).map_err(|e| format!("{}: {e}", p.cert_file)))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Set { pairs, files, keys })
+        let digests = files.iter().map(|(cert, key)| pair_digest(cert, key)).collect();
+        Ok(Set { pairs, digests, keys })
     }
 }
 
@@ -135,10 +148,12 @@ impl CertStore {
         let pairs = cfg.pairs();
         let files = pairs.iter().map(read_pair).collect::<Result<Vec<_>, _>>()?;
         let current = self.set.load();
-        if current.pairs == pairs && current.files == files {
+        let same = current.pairs == pairs
+            && current.digests.iter().copied().eq(files.iter().map(|(cert, key)| pair_digest(cert, key)));
+        if same {
             return Ok(false);
         }
-        self.set.store(Arc::new(Set::parse(pairs, files)?));
+        self.set.store(Arc::new(Set::parse(pairs, &files)?));
         Ok(true)
     }
 }
