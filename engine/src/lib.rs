@@ -25,7 +25,7 @@ pub mod scheduler;
 pub mod server;
 pub mod tokenizer;
 
-use std::future::Future;
+use std::future::{Future, IntoFuture};
 use std::sync::Arc;
 
 use axum::serve::ListenerExt;
@@ -78,27 +78,46 @@ pub fn build(cfg: &EngineConfig) -> anyhow::Result<Engine> {
     Ok(Engine { router: server::router(state.clone()), state, thread, config: cfg.clone(), failed })
 }
 
-/// Serve `engine` on `listener` until `shutdown` resolves or the engine fails (in-flight
-/// responses finish either way). A failed engine is an error, so the process exits non-zero.
+/// Serve `engine` on `listener` until `shutdown` resolves or the engine fails. Then no new
+/// connection is accepted, idle ones close, and the responses in flight run to their end
+/// for at most `--shutdown-timeout` (a pod's drain: the streams of a terminating engine
+/// finish). A failed engine is an error, so the process exits non-zero.
 pub async fn serve(
     engine: Engine,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let mut failed = engine.failed.clone();
+    let (stopping, stopped) = tokio::sync::oneshot::channel::<()>();
     let stop = async move {
         tokio::select! {
             _ = shutdown => {}
             // A closed channel means the engine thread is gone without a word: a failure too.
             _ = failed.wait_for(Option::is_some) => {}
         }
+        let _ = stopping.send(());
     };
     let failed = engine.failed.clone();
+    let grace = engine.config.shutdown_timeout;
     let listener = listener.tap_io(|tcp| {
         // SSE chunks are small: never let Nagle hold them back.
         let _ = tcp.set_nodelay(true);
     });
-    axum::serve(listener, engine.router).with_graceful_shutdown(stop).await?;
+    let serving = axum::serve(listener, engine.router).with_graceful_shutdown(stop).into_future();
+    let past_grace = async {
+        if stopped.await.is_ok() {
+            tokio::time::sleep(grace).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        served = serving => served?,
+        () = past_grace => tracing::warn!(
+            shutdown_timeout_s = grace.as_secs(),
+            "requests still in flight after --shutdown-timeout; exiting without them"
+        ),
+    }
     let reason = failed.borrow().clone();
     match reason {
         Some(r) => Err(std::io::Error::other(r)),

@@ -130,6 +130,25 @@ pub struct GatewayConfig {
     /// Graceful drain on SIGTERM (`shutdown` is the old name).
     #[serde(alias = "shutdown")]
     pub drain: DrainConfig,
+    /// What `/-/ready` requires.
+    pub readiness: ReadinessConfig,
+}
+
+/// `readiness`: when the gateway tells its load balancer (a Kubernetes Service) it is ready.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReadinessConfig {
+    /// Ready only while an engine is routable (true), or whenever the config is loaded and
+    /// the gateway is not draining (false). False when engines scale from zero: a gateway
+    /// that left its Service could never receive the request that holds the admission queue
+    /// and wakes the engines.
+    pub require_backend: bool,
+}
+
+impl Default for ReadinessConfig {
+    fn default() -> Self {
+        ReadinessConfig { require_backend: true }
+    }
 }
 
 impl Default for GatewayConfig {
@@ -154,6 +173,7 @@ impl Default for GatewayConfig {
             upstream_tls: UpstreamTlsConfig::default(),
             auth: AuthConfig::default(),
             drain: DrainConfig::default(),
+            readiness: ReadinessConfig::default(),
         }
     }
 }

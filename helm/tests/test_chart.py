@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -138,13 +139,19 @@ def gateway_validate(gateway_bin, text):
     return subprocess.run([gateway_bin, "--config", f.name, "--validate"], capture_output=True, text=True)
 
 
-async def install(values):
+REGISTRY = {"image": {"registry": "registry.example.com/ml"}}
+
+
+async def install(values, name="sy", registry=True):
+    """Install the chart into a fake API server: (release, objects created). Every install but
+    the one that checks the refusal names an image registry, as a user must."""
     server = Server()
     try:
         kubeconfig = os.path.join(tempfile.mkdtemp(), "kubeconfig")
         server.kubeconfig(kubeconfig, NS)
         cfg = helm_sdkpy.Configuration(namespace=NS, kubeconfig=kubeconfig)
-        release = await helm_sdkpy.Install(cfg).run("sy", CHART, values=values, wait=False, timeout=60)
+        values = merged(REGISTRY, values) if registry else values
+        release = await helm_sdkpy.Install(cfg).run(name, CHART, values=values, wait=False, timeout=60)
         return release, list(server.created)
     finally:
         server.close()
@@ -158,8 +165,21 @@ def container(pod_spec, name):
     return next((c for c in pod_spec["containers"] if c["name"] == name), None)
 
 
+def validate_crds(objs):
+    """KEDA's and prometheus-operator's objects against their CRD schemas (validate_crds.mjs)."""
+    modules = os.environ.get("SWITCHYARD_CRD_MODULES")
+    if not modules:
+        sys.exit("SWITCHYARD_CRD_MODULES is not set: run the chart test through scripts/test-chart.sh")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "validate_crds.mjs")
+    return subprocess.run(["node", script, modules], input=json.dumps(objs), capture_output=True, text=True)
+
+
 def check_scenario(name, values, release, objs, gateway_bin):
     tag = f"[{name}]"
+    custom = [o for o in objs if o.get("kind") in ("ScaledObject", "ServiceMonitor")]
+    if custom:
+        r = validate_crds(custom)
+        check(r.returncode == 0, f"{tag} custom resources against their CRD schemas: {r.stdout}{r.stderr}")
     for o in objs:
         kind, meta = o.get("kind"), o.get("metadata", {})
         if kind in ("ScaledObject", "ServiceMonitor"):
@@ -186,6 +206,9 @@ def check_scenario(name, values, release, objs, gateway_bin):
                   f"{tag} --validate should fail on the Secret paths {used} that only exist in the pod: {r.stdout}{r.stderr}")
         cfg = yaml.safe_load(text)
         check_edge(tag, merged(DEFAULTS, values), cfg, text, objs, release)
+        keda_on = merged(DEFAULTS, values)["keda"]["enabled"]
+        check(cfg.get("readiness") == ({"require_backend": False} if keda_on else None),
+              f"{tag} with KEDA the gateway is ready without engines (scale from zero can wake): {cfg.get('readiness')}")
         token = merged(DEFAULTS, values)["gateway"]["admin"]["tokenSha256"]
         check(cfg.get("admin") == ({"token_sha256": token} if token else None),
               f"{tag} admin.token_sha256 is gateway.admin.tokenSha256: {cfg.get('admin')}")
@@ -216,6 +239,17 @@ def check_scenario(name, values, release, objs, gateway_bin):
         check(spec["terminationGracePeriodSeconds"] > drain + 5,
               f"{tag} terminationGracePeriodSeconds ({spec['terminationGracePeriodSeconds']}) outlasts preStop + drain ({drain})")
         check("preStop" in shim.get("lifecycle", {}), f"{tag} the shim has a preStop")
+        # The engine gets SIGTERM only after the sidecar drained (#25: vLLM <= 0.17 aborts on it).
+        engine_stop = engine.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        shim_stop = shim["lifecycle"]["preStop"]["sleep"]["seconds"]
+        check(engine_stop >= shim_stop + drain, f"{tag} the engine's preStop ({engine_stop} s) outlasts the sidecar's "
+              f"preStop + drain ({shim_stop} + {drain} s)")
+        check(spec["terminationGracePeriodSeconds"] > engine_stop,
+              f"{tag} the grace period covers the engine's preStop ({engine_stop} s)")
+        if values.get("engine", {}).get("kind", "switchyard") != "vllm":
+            check(f"--shutdown-timeout={drain}" in engine["args"],
+                  f"{tag} the bundled engine finishes what is in flight after its preStop: {engine['args']}")
+        check(DEFAULTS["engine"]["shim"]["drainTimeoutSeconds"] >= 120, "the default drain lets long generations end")
         shim_values = merged(DEFAULTS["engine"]["shim"], values.get("engine", {}).get("shim", {}))
         allowed = [a.split("=", 1)[1] for a in shim["args"] if a.startswith("--allow-path=")]
         check(allowed == shim_values["allowPaths"], f"{tag} the shim's --allow-path flags are allowPaths: {allowed}")
@@ -232,10 +266,12 @@ def check_scenario(name, values, release, objs, gateway_bin):
         keda = values.get("keda", {}).get("enabled", False)
         check(("replicas" in sts[0]["spec"]) != keda, f"{tag} replicas are KEDA's when KEDA is on, the chart's otherwise")
         if values.get("engine", {}).get("kind") == "vllm":
-            tp = values["engine"]["vllm"]["tensorParallelSize"]
+            vllm = merged(DEFAULTS["engine"]["vllm"], values["engine"].get("vllm", {}))
+            tp, pp = vllm["tensorParallelSize"], vllm["pipelineParallelSize"]
             check(f"--tensor-parallel-size={tp}" in engine["args"] and "--enable-chunked-prefill" in engine["args"],
                   f"{tag} vLLM runs with TP {tp} and chunked prefill: {engine['args']}")
-            check(engine["resources"]["limits"].get("nvidia.com/gpu") == values["engine"]["gpus"], f"{tag} GPUs per pod")
+            check(engine["resources"]["limits"].get("nvidia.com/gpu") == tp * pp,
+                  f"{tag} one GPU per rank (TP {tp} × PP {pp}): {engine['resources']}")
             check("--dialect=vllm" in shim["args"], f"{tag} the shim reads vLLM's dialect")
         else:
             check(any(a.startswith("--backend=cpu") for a in engine["args"]), f"{tag} the bundled engine runs the cpu backend")
@@ -244,7 +280,9 @@ def check_scenario(name, values, release, objs, gateway_bin):
     role = by_kind(objs, "Role")
     check(role and any("endpointslices" in r["resources"] and set(r["verbs"]) == {"get", "list", "watch"}
                        for r in role[0]["rules"]), f"{tag} the Role reads EndpointSlices")
-    check(by_kind(objs, "PodDisruptionBudget"), f"{tag} a PodDisruptionBudget")
+    pdbs = by_kind(objs, "PodDisruptionBudget")
+    check(pdbs and all(p["spec"].get("unhealthyPodEvictionPolicy") == "AlwaysAllow" for p in pdbs),
+          f"{tag} a PodDisruptionBudget that lets unhealthy pods be evicted (node drains never block)")
     notes = release.get("info", {}).get("notes") or ""
     model = values.get("engine", {}).get("model", "SmolLM2-135M-Instruct")
     check("://127.0.0.1:8080/v1/chat/completions" in notes and f'"model": "{model}"' in notes,
@@ -257,10 +295,21 @@ def check_scenario(name, values, release, objs, gateway_bin):
             check(s["apiVersion"] == "keda.sh/v1alpha1" and s["spec"]["scaleTargetRef"]["kind"] == "StatefulSet",
                   f"{tag} ScaledObject targets the engine StatefulSet")
             check(s["spec"]["minReplicaCount"] == 0, f"{tag} scale from zero")
-            queries = " ".join(t["metadata"]["query"] for t in s["spec"]["triggers"])
-            for q in ["sum(vllm:num_requests_waiting", "avg(vllm:kv_cache_usage_perc", "sum(switchyard_queue_depth"]:
-                check(q in queries and all(t["type"] == "prometheus" for t in s["spec"]["triggers"]),
-                      f"{tag} a Prometheus trigger on {q}")
+            triggers = {t["metadata"]["query"].split("{")[0]: t for t in s["spec"]["triggers"]}
+            # Each query a sum over this release's own Services: KEDA asks for ceil(sum / threshold).
+            engines = f'namespace="{NS}",service="sy-switchyard-engine"'
+            gateways = f'namespace="{NS}",service="sy-switchyard-gateway-admin"'
+            for series, scope in [("sum(vllm:num_requests_waiting", engines), ("sum(vllm:kv_cache_usage_perc", engines),
+                                  ("sum(switchyard_queue_depth", gateways)]:
+                t = triggers.get(series)
+                check(t and t["type"] == "prometheus" and "{" + scope + "}" in t["metadata"]["query"]
+                      and t["metadata"].get("ignoreNullValues") == "false" and t.get("metricType", "AverageValue") == "AverageValue",
+                      f"{tag} a Prometheus trigger on {series}{{{scope}}}: {t}")
+            queue = triggers.get("sum(switchyard_queue_depth", {}).get("metadata", {})
+            check(queue.get("activationThreshold") == "0" and float(queue.get("threshold", 1)) >= 16,
+                  f"{tag} the first queued request wakes an engine; the queue adds one per max_num_seqs-ish: {queue}")
+            behavior = s["spec"].get("advanced", {}).get("horizontalPodAutoscalerConfig", {}).get("behavior", {})
+            check(behavior.get("scaleDown", {}).get("policies"), f"{tag} scale-down is paced: {behavior}")
     else:
         check(not so, f"{tag} no ScaledObject unless keda.enabled")
     sm = by_kind(objs, "ServiceMonitor")
@@ -362,7 +411,15 @@ def check_edge(tag, v, cfg, text, objs, release):
 async def main():
     if len(sys.argv) != 2 or not os.access(sys.argv[1], os.X_OK):
         sys.exit("usage: test_chart.py PATH/TO/switchyard-gateway")
-    lint = await helm_sdkpy.Lint(helm_sdkpy.Configuration()).run(CHART)
+    # helm lint renders with the chart's own values, which name no image registry (the user
+    # must): lint a copy whose values.yaml names one, as `helm lint --set image.registry=...`.
+    lint_dir = os.path.join(tempfile.mkdtemp(), "switchyard")
+    shutil.copytree(CHART, lint_dir)
+    with open(os.path.join(lint_dir, "values.yaml")) as fh:
+        text = fh.read()
+    with open(os.path.join(lint_dir, "values.yaml"), "w") as fh:
+        fh.write(text.replace('registry: ""', f'registry: {REGISTRY["image"]["registry"]}', 1))
+    lint = await helm_sdkpy.Lint(helm_sdkpy.Configuration()).run(lint_dir)
     check(lint.get("Errors") is None, f"helm lint: {json.dumps(lint, default=str)}")
     # values.schema.json turns bad values away before anything renders.
     for bad, field in [({"engine": {"kind": "tgi"}}, "kind"), ({"gateway": {"service": {"type": "Ingress"}}}, "type"),
@@ -377,6 +434,11 @@ async def main():
                         "closeListenersAfterMs"),
                        ({"gateway": {"config": {"timeouts": {"request_body_ms": 30000}}}}, "body_read_timeout_ms"),
                        ({"gateway": {"admin": {"tokenSha256": "plain-token"}}}, "tokenSha256"),
+                       # A typo anywhere fails the install (additionalProperties: false).
+                       ({"engine": {"gpu": 1}}, "gpu"), ({"keda": {"treshold": 1}}, "treshold"),
+                       ({"engine": {"vllm": {"tensorParalelSize": 2}}}, "tensorParalelSize"),
+                       # GPUs follow the parallelism.
+                       ({"engine": {"kind": "vllm", "gpus": 2, "vllm": {"tensorParallelSize": 4}}}, "engine.gpus"),
                        # Prometheus would get 401 without the token.
                        ({"gateway": {"admin": {"tokenSha256": "ab" * 32}}, "serviceMonitor": {"enabled": True}},
                         "bearerTokenSecret")]:
@@ -385,6 +447,33 @@ async def main():
             failures.append(f"values {bad} were accepted")
         except Exception as e:
             check(field in str(e), f"values {bad}: the schema error should name `{field}`: {e}")
+    # The CRD validators can fail: a ScaledObject with a number where KEDA wants a string.
+    broken = {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": {"name": "x"},
+              "spec": {"scaleTargetRef": {"name": "x"}, "triggers": [{"type": "prometheus", "metadata": {"threshold": 1}}]}}
+    r = validate_crds([broken])
+    check(r.returncode == 1 and "threshold" in r.stdout, f"the CRD check rejects a bad ScaledObject: {r.stdout}{r.stderr}")
+    # No image registry: a clear refusal, not an ImagePullBackOff.
+    try:
+        await install({}, registry=False)
+        failures.append("the chart rendered without image.registry")
+    except Exception as e:
+        check("image.registry" in str(e) and "build-images" in str(e), f"no registry: the error says what to do: {e}")
+    # A 53-character release name (Helm's limit) gives valid names everywhere.
+    long_name = "a-release-name-of-fifty-three-characters-for-testing"[:53].ljust(53, "x")
+    try:
+        _, objs = await install(merged(SCENARIOS["everything-on"], {"keda": {"enabled": True}}), name=long_name)
+        for o in objs:
+            n = o["metadata"]["name"]
+            check(len(n) <= 63, f"[long name] {o['kind']}/{n} is {len(n)} characters")
+            if o["kind"] == "StatefulSet":
+                check(len(n) <= 52, f"[long name] StatefulSet {n} leaves no room for its pods' revision label")
+            if o["kind"] not in ("ScaledObject", "ServiceMonitor"):
+                try:
+                    kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+                except Exception as e:
+                    failures.append(f"[long name] {o['kind']}/{n}: {e}")
+    except Exception as e:
+        failures.append(f"[long name] helm install failed: {e}")
     for name, values in SCENARIOS.items():
         try:
             release, objs = await install(values)

@@ -92,11 +92,16 @@ impl Resp {
 
     /// The next SSE `data:` payload, or `None` at the end of the body.
     pub async fn next_event(&mut self) -> Option<String> {
+        self.try_next_event().await.unwrap_or_else(|e| panic!("body error: {e}"))
+    }
+
+    /// [`Resp::next_event`], with a broken body (the server cut the connection) as an error.
+    pub async fn try_next_event(&mut self) -> Result<Option<String>, String> {
         loop {
             if let Some(end) = self.buf.find("\n\n") {
                 let event: String = self.buf.drain(..end + 2).collect();
                 let data = event.trim_end().strip_prefix("data: ").unwrap_or_else(|| panic!("not SSE: {event:?}"));
-                return Some(data.to_string());
+                return Ok(Some(data.to_string()));
             }
             match self.body.frame().await {
                 Some(Ok(f)) => {
@@ -104,8 +109,8 @@ impl Resp {
                         self.buf.push_str(std::str::from_utf8(&d).expect("utf-8"));
                     }
                 }
-                Some(Err(e)) => panic!("body error: {e}"),
-                None => return None,
+                Some(Err(e)) => return Err(e.to_string()),
+                None => return Ok(None),
             }
         }
     }

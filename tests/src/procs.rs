@@ -96,6 +96,16 @@ impl EngineProc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// Send SIGTERM (as the kubelet does).
+    pub fn terminate(&self) {
+        sigterm(&self.child);
+    }
+
+    /// Wait up to `limit` for the process to exit; its status.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        wait_exit(&mut self.child, limit)
+    }
 }
 
 impl Drop for EngineProc {

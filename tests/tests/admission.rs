@@ -1,6 +1,8 @@
 //! The admission queue: with no engine up, a request waits (counted in
 //! `switchyard_queue_depth`) and goes through once an engine comes up; past `max_wait_ms` it
-//! gets 503 with `Retry-After`; past `max_queue` it gets 503 at once.
+//! gets 503 with `Retry-After`; past `max_queue` it gets 503 at once. With
+//! `readiness.require_backend: false` (scale from zero) the gateway is ready with no engine,
+//! so its Service keeps sending it the requests that wake the engines.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -9,13 +11,14 @@ use serde_json::json;
 use switchyard_testkit::*;
 
 /// A gateway in front of one engine that is not running (scaled to zero), once its scrapes
-/// have marked it down.
+/// have marked it down; ready without an engine, as the chart runs it under KEDA.
 async fn gateway(port: u16, max_queue: usize, max_wait_ms: u64) -> GatewayProc {
     let g = GatewayProc::start(
         &GatewayConfigBuilder::new()
             .backend_serving(&format!("http://127.0.0.1:{port}"), &["m"])
             .scrape_timeout_ms(300)
-            .section("admission", &format!("{{ max_queue: {max_queue}, max_wait_ms: {max_wait_ms} }}")),
+            .section("admission", &format!("{{ max_queue: {max_queue}, max_wait_ms: {max_wait_ms} }}"))
+            .section("readiness", "{ require_backend: false }"),
     );
     eventually("the absent engine is marked down", async || backends(&g).await["backends"][0]["state"] == "down").await;
     g
@@ -25,6 +28,9 @@ async fn gateway(port: u16, max_queue: usize, max_wait_ms: u64) -> GatewayProc {
 async fn a_request_waits_for_an_engine_to_come_up() {
     let port = free_port();
     let g = gateway(port, 10, 20_000).await;
+    // Ready with no engine: the Service keeps this gateway, so the request below reaches it.
+    let ready = send(g.addr, "GET", "/-/ready", "").await;
+    assert_eq!(ready.status, 200, "a scale-from-zero gateway is ready without engines");
     let body = json!({"model": "m", "prompt": "hello", "max_tokens": 3});
     let addr = g.addr;
     let waiting = tokio::spawn(async move {

@@ -2,7 +2,8 @@
 //! its model list, `/metrics` and `/load` carry the normalized load, the API is proxied
 //! without buffering while in-flight requests are counted, a dialect mismatch is reported,
 //! and SIGTERM drains: not ready at once, the open stream finishes, exit 0. Only inference
-//! routes reach the engine unless the caller holds the admin token.
+//! routes reach the engine unless the caller holds the admin token. The bundled engine drains
+//! on SIGTERM too, and a pod stopped with the chart's preStop timing finishes its stream.
 
 use std::time::{Duration, Instant};
 
@@ -196,4 +197,77 @@ async fn the_sidecar_forwards_inference_routes_only_and_admin_routes_with_the_to
     assert!(reached("POST /collective_rpc "));
     let last = engine.seen.requests.lock().unwrap().last().cloned().unwrap();
     assert!(!String::from_utf8_lossy(&last).to_ascii_lowercase().contains("x-switchyard-admin-token"));
+}
+
+/// The bundled engine on SIGTERM (#25): it accepts no new connection, finishes the stream in
+/// flight and exits 0; past `--shutdown-timeout` it exits anyway, cutting what is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_finishes_its_streams_on_sigterm_within_its_shutdown_timeout() {
+    let mut engine = EngineProc::start(&["--backend", "sim", "--sim-profile", "h100-llama3-8b"]);
+    // ~7 ms a token: the stream runs on for about 2 s after the signal.
+    let body = json!({"prompt": "finish me", "max_tokens": 300, "ignore_eos": true, "stream": true});
+    let mut r = post(engine.addr, "/v1/completions", &body).await;
+    r.next_event().await.expect("first chunk");
+    engine.terminate();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(tokio::net::TcpStream::connect(engine.addr).await.is_err(), "no new connection after SIGTERM");
+    let rest = r.events().await;
+    assert!(rest.iter().any(|(_, e)| e == "[DONE]"), "the open stream finished ({} events)", rest.len());
+    let st = tokio::task::spawn_blocking(move || engine.wait_exit(PATIENCE)).await.unwrap();
+    assert_eq!(st.map(|s| s.code()), Some(Some(0)), "exit 0 once it finished");
+
+    // A stream far longer than the shutdown timeout is cut when the timeout passes.
+    let mut engine =
+        EngineProc::start(&["--backend", "sim", "--sim-profile", "h100-llama3-8b", "--shutdown-timeout", "1"]);
+    let body = json!({"prompt": "too long", "max_tokens": 4000, "ignore_eos": true, "stream": true});
+    let mut r = post(engine.addr, "/v1/completions", &body).await;
+    r.next_event().await.expect("first chunk");
+    let signalled = Instant::now();
+    engine.terminate();
+    let st = tokio::task::spawn_blocking(move || engine.wait_exit(PATIENCE)).await.unwrap();
+    let took = signalled.elapsed();
+    assert!(st.is_some(), "the engine did not exit within {PATIENCE:?}");
+    // 4,000 tokens would take ~28 s; the timeout is 1 s.
+    assert!(took < Duration::from_secs(15), "exited {took:?} after SIGTERM");
+    let mut done = false;
+    while let Ok(Some(e)) = r.try_next_event().await {
+        done |= e == "[DONE]";
+    }
+    assert!(!done, "a stream past the shutdown timeout was cut");
+}
+
+/// A pod told to stop while a stream is mid-generation (#25), with the chart's timing: the
+/// kubelet runs each container's preStop, then sends it SIGTERM. The sidecar's preStop waits
+/// for the endpoints to update, then it drains for `drainTimeoutSeconds`; the engine's preStop
+/// is `drainTimeoutSeconds + 5`, so the engine — vLLM before 0.18 aborts what is in flight on
+/// SIGTERM — is still serving while the sidecar drains. Scaled down: sidecar preStop 0.3 s,
+/// drain 6 s, engine preStop 6.3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminating_pod_finishes_the_stream_in_flight() {
+    let (pre_stop, drain) = (Duration::from_millis(300), Duration::from_secs(6));
+    let mut engine = EngineProc::start(&["--backend", "sim", "--sim-profile", "h100-llama3-8b"]);
+    let mut shim = ShimProc::start(&engine.url(), &["--scrape-interval-ms", "50", "--drain-timeout", "6s"]);
+    wait_status(shim.addr, "/-/healthz", 200).await;
+    let body = json!({"prompt": "mid-generation", "max_tokens": 300, "ignore_eos": true, "stream": true});
+    let mut r = post(shim.addr, "/v1/completions", &body).await;
+    r.next_event().await.expect("first chunk");
+
+    let stopped = Instant::now();
+    let kubelet = tokio::spawn(async move {
+        // Both preStops start together; each container gets SIGTERM when its own ends.
+        tokio::time::sleep(pre_stop).await;
+        shim.terminate();
+        tokio::time::sleep(drain).await;
+        engine.terminate();
+        let engine_exit = tokio::task::spawn_blocking(move || engine.wait_exit(PATIENCE)).await.unwrap();
+        let shim_exit = tokio::task::spawn_blocking(move || shim.wait_exit(PATIENCE)).await.unwrap();
+        (shim_exit, engine_exit)
+    });
+    let rest = r.events().await;
+    assert!(rest.iter().any(|(_, e)| e == "[DONE]"), "the stream finished through the terminating pod");
+    let finished = stopped.elapsed();
+    let (shim_exit, engine_exit) = kubelet.await.unwrap();
+    assert_eq!(shim_exit.map(|s| s.code()), Some(Some(0)), "the sidecar drained and exited 0");
+    assert_eq!(engine_exit.map(|s| s.code()), Some(Some(0)), "the engine exited 0");
+    eprintln!("stream finished {finished:?} after the pod was told to stop");
 }

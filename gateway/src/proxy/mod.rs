@@ -377,10 +377,11 @@ impl ProxyApp {
         let now = Instant::now();
         let down_after = active.config.scrape.down_after_failures;
         let up = active.cluster.backends.iter().filter(|b| b.state(now, down_after) == BackendState::Up).count();
-        if up > 0 {
-            (200, format!("ready: {up} routable backends\n"))
-        } else {
-            (503, "no routable backend\n".into())
+        match (up, active.config.readiness.require_backend) {
+            (0, true) => (503, "no routable backend\n".into()),
+            // Requests wait in the admission queue (scale from zero).
+            (0, false) => (200, "ready: no routable backend yet; requests are queued\n".into()),
+            (up, _) => (200, format!("ready: {up} routable backends\n")),
         }
     }
 

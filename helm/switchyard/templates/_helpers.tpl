@@ -3,13 +3,19 @@
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{- /*
+The base of every object name, at most 45 characters, so that the longest name made from it
+stays valid: the engine StatefulSet "<base>-engine" (a StatefulSet's name must leave room for
+its pods' 63-character controller-revision-hash label: 52) and "<base>-gateway-admin" (59).
+A release name of up to 53 characters (Helm's own limit) renders.
+*/ -}}
 {{- define "switchyard.fullname" -}}
 {{- if .Values.fullnameOverride -}}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" -}}
 {{- else if contains (include "switchyard.name" .) .Release.Name -}}
-{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- .Release.Name | trunc 45 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name (include "switchyard.name" .) | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name (include "switchyard.name" .) | trunc 45 | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
 
@@ -31,7 +37,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- define "switchyard.image" -}}
 {{- $root := index . 0 -}}{{- $name := index . 1 -}}
-{{- printf "%s/%s:%s" $root.Values.image.registry $name (default $root.Chart.AppVersion $root.Values.image.tag) -}}
+{{- $registry := required "image.registry: set the registry holding the switchyard images (nothing is published for you: scripts/build-images.sh REGISTRY builds and pushes them)" $root.Values.image.registry -}}
+{{- printf "%s/%s:%s" $registry $name (default $root.Chart.AppVersion $root.Values.image.tag) -}}
 {{- end -}}
 
 {{- define "switchyard.serviceAccountName" -}}
@@ -60,6 +67,10 @@ ones finish what they serve and get nothing new; the sidecars' /load carries the
 {{- fail "gateway.admin.tokenSha256 is set: the ServiceMonitor needs serviceMonitor.bearerTokenSecret (a Secret with the token under key token) or Prometheus gets 401" -}}
 {{- end -}}
 {{- $_ := set $cfg "admin" (dict "token_sha256" .) -}}
+{{- end -}}
+{{- if .Values.keda.enabled -}}
+{{- /* Engines scale from zero: a gateway that left its Service for want of an engine could never receive the request that wakes them. */ -}}
+{{- $_ := set $cfg "readiness" (dict "require_backend" false) -}}
 {{- end -}}
 {{- $k8s := dict "namespace" .Release.Namespace "service" (include "switchyard.engine" .) "port_name" "shim" -}}
 {{- $_ := set $cfg "discovery" (dict "kubernetes" $k8s) -}}
@@ -93,3 +104,8 @@ ones finish what they serve and get nothing new; the sidecars' /load carries the
 
 {{/* The gateway pod's grace: the gateway's drain plus 5 s, so the kubelet never kills a draining gateway. */}}
 {{- define "switchyard.gatewayTerminationGrace" -}}{{ add (int64 .Values.gateway.drain.gracePeriodSeconds) 5 }}{{- end -}}
+
+{{/* The engine's /health from inside its container (it listens on loopback only). */}}
+{{- define "switchyard.engineHealthProbe" -}}
+exec 3<>/dev/tcp/127.0.0.1/{{ .Values.engine.port }} && printf 'GET /health HTTP/1.0\r\n\r\n' >&3 && head -n1 <&3 | grep -q ' 200 '
+{{- end -}}
