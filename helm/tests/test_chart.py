@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -50,8 +51,12 @@ SCENARIOS["everything-on"] = {
     "gateway": {"hpa": {"enabled": True}, "tls": {"enabled": True, "secretName": "edge-tls", "http2": False},
                 "auth": {"enabled": True, "existingSecret": "api-keys", "keys": [OPS_KEY], "defaultMaxTokens": 1024},
                 "drain": {"gracePeriodSeconds": 40, "closeListenersAfterMs": 8000},
-                "service": {"type": "NodePort", "nodePort": 30080}},
-    "serviceMonitor": {"enabled": True}, "networkPolicy": {"enabled": True},
+                "service": {"type": "NodePort", "nodePort": 30080},
+                "ingress": {"enabled": True, "className": "nginx", "host": "llm.example.com",
+                            "tls": [{"hosts": ["llm.example.com"], "secretName": "edge-tls"}]},
+                "httpRoute": {"enabled": True, "parentRefs": [{"name": "edge", "namespace": "gateway-system"}],
+                              "hostnames": ["llm.example.com"]}},
+    "serviceMonitor": {"enabled": True}, "networkPolicy": {"enabled": True}, "grafanaDashboard": {"enabled": True},
     "engine": {"replicas": 3, "shim": {"drainTimeoutSeconds": 60, "allowPaths": ["/v1/load_lora_adapter"],
                                        "adminTokenSecret": "shim-admin"}},
 }
@@ -140,6 +145,8 @@ def gateway_validate(gateway_bin, text):
 
 
 REGISTRY = {"image": {"registry": "registry.example.com/ml"}}
+# Kinds kubernetes-validate does not know, checked against their CRDs by validate_crds.mjs.
+CUSTOM_KINDS = ("ScaledObject", "ServiceMonitor", "HTTPRoute")
 
 
 async def install(values, name="sy", registry=True):
@@ -176,13 +183,13 @@ def validate_crds(objs):
 
 def check_scenario(name, values, release, objs, gateway_bin):
     tag = f"[{name}]"
-    custom = [o for o in objs if o.get("kind") in ("ScaledObject", "ServiceMonitor")]
+    custom = [o for o in objs if o.get("kind") in CUSTOM_KINDS]
     if custom:
         r = validate_crds(custom)
         check(r.returncode == 0, f"{tag} custom resources against their CRD schemas: {r.stdout}{r.stderr}")
     for o in objs:
         kind, meta = o.get("kind"), o.get("metadata", {})
-        if kind in ("ScaledObject", "ServiceMonitor"):
+        if kind in CUSTOM_KINDS:
             continue
         try:
             kubernetes_validate.validate(o, K8S_VERSION, strict=True)
@@ -190,7 +197,7 @@ def check_scenario(name, values, release, objs, gateway_bin):
             failures.append(f"{tag} {kind}/{meta.get('name')}: {e}")
 
     # The gateway config: valid for the gateway itself, and rolled out on change.
-    cm = by_kind(objs, "ConfigMap")
+    cm = [o for o in by_kind(objs, "ConfigMap") if "gateway.yaml" in o.get("data", {})]
     if check(len(cm) == 1, f"{tag} one gateway ConfigMap"):
         text = cm[0]["data"]["gateway.yaml"]
         dep = by_kind(objs, "Deployment")[0]
@@ -312,6 +319,62 @@ def check_scenario(name, values, release, objs, gateway_bin):
             check(behavior.get("scaleDown", {}).get("policies"), f"{tag} scale-down is paced: {behavior}")
     else:
         check(not so, f"{tag} no ScaledObject unless keda.enabled")
+    # Pods as Pod Security "restricted" wants them (#25): RuntimeDefault seccomp everywhere, no
+    # capability in any container of ours, no API token in engine pods.
+    for o in by_kind(objs, "Deployment") + by_kind(objs, "StatefulSet"):
+        pod = o["spec"]["template"]["spec"]
+        check(pod.get("securityContext", {}).get("seccompProfile", {}).get("type") == "RuntimeDefault",
+              f"{tag} {o['kind']} pods run with the RuntimeDefault seccomp profile")
+        for c in pod["containers"] + pod.get("initContainers", []):
+            check(c.get("securityContext", {}).get("capabilities", {}).get("drop") == ["ALL"],
+                  f"{tag} {o['kind']} container {c['name']} drops every capability")
+    for o in by_kind(objs, "StatefulSet"):
+        pod = o["spec"]["template"]["spec"]
+        check(pod.get("automountServiceAccountToken") is False, f"{tag} engine pods mount no service-account token")
+        engine = container(pod, "engine")
+        check(engine.get("startupProbe", {}).get("exec") and engine.get("livenessProbe", {}).get("exec"),
+              f"{tag} the engine (on loopback) has exec startup and liveness probes")
+        check(container(pod, "shim")["readinessProbe"].get("failureThreshold", 3) >= 3,
+              f"{tag} one failed scrape does not take an engine pod out")
+    gw_pod = by_kind(objs, "Deployment")[0]["spec"]["template"]["spec"]
+    cfg_mount = next(m for m in container(gw_pod, "gateway")["volumeMounts"] if m["name"] == "config")
+    check("subPath" not in cfg_mount and f"{cfg_mount['mountPath']}/gateway.yaml" in container(gw_pod, "gateway")["args"],
+          f"{tag} the config is mounted as a directory, so its updates reach the file watch: {cfg_mount}")
+
+    # Ways in from outside: an Ingress / HTTPRoute to the gateway's API port.
+    gwv = merged(DEFAULTS, values)["gateway"]
+    ing, routes = by_kind(objs, "Ingress"), by_kind(objs, "HTTPRoute")
+    if gwv["ingress"]["enabled"]:
+        backend = ing[0]["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"] if ing else {}
+        check(backend == {"name": "sy-switchyard-gateway", "port": {"name": "http"}}
+              and ing[0]["metadata"]["annotations"].get("nginx.ingress.kubernetes.io/proxy-buffering") == "off",
+              f"{tag} the Ingress sends everything to the gateway, unbuffered: {ing and ing[0]}")
+    else:
+        check(not ing, f"{tag} no Ingress unless gateway.ingress.enabled")
+    if gwv["httpRoute"]["enabled"]:
+        refs = routes[0]["spec"]["rules"][0]["backendRefs"] if routes else []
+        check(refs == [{"name": "sy-switchyard-gateway", "port": gwv["service"]["port"]}]
+              and routes[0]["spec"]["parentRefs"] == gwv["httpRoute"]["parentRefs"],
+              f"{tag} the HTTPRoute attaches to its Gateway and sends to the gateway Service: {routes}")
+    else:
+        check(not routes, f"{tag} no HTTPRoute unless gateway.httpRoute.enabled")
+    dashboards = [o for o in by_kind(objs, "ConfigMap") if o["metadata"]["name"].endswith("-dashboard")]
+    if values.get("grafanaDashboard", {}).get("enabled"):
+        if check(len(dashboards) == 1 and dashboards[0]["metadata"]["labels"].get("grafana_dashboard") == "1",
+                 f"{tag} a dashboard ConfigMap for Grafana's sidecar"):
+            dash = json.loads(dashboards[0]["data"]["switchyard.json"])
+            exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+            for series in ["switchyard_requests_total", "switchyard_ttft_seconds_bucket", "switchyard_queue_depth",
+                           "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]:
+                check(series in exprs, f"{tag} the dashboard plots {series}")
+            # Every gateway series it plots is one the gateway exports.
+            with open(os.path.join(os.path.dirname(CHART), "..", "gateway", "src", "metrics.rs")) as fh:
+                exported = fh.read()
+            for name in set(re.findall(r"switchyard_[a-z_]+", exprs)):
+                base = re.sub(r"_(bucket|sum|count)$", "", name)
+                check(f'"{base}"' in exported, f"{tag} the dashboard plots {name}, which the gateway does not export")
+    else:
+        check(not dashboards, f"{tag} no dashboard unless grafanaDashboard.enabled")
     sm = by_kind(objs, "ServiceMonitor")
     admin_token = merged(DEFAULTS, values)["gateway"]["admin"]["tokenSha256"]
     if values.get("serviceMonitor", {}).get("enabled"):
@@ -467,7 +530,7 @@ async def main():
             check(len(n) <= 63, f"[long name] {o['kind']}/{n} is {len(n)} characters")
             if o["kind"] == "StatefulSet":
                 check(len(n) <= 52, f"[long name] StatefulSet {n} leaves no room for its pods' revision label")
-            if o["kind"] not in ("ScaledObject", "ServiceMonitor"):
+            if o["kind"] not in CUSTOM_KINDS:
                 try:
                     kubernetes_validate.validate(o, K8S_VERSION, strict=True)
                 except Exception as e:

@@ -1,7 +1,7 @@
 // Custom resources the chart renders — KEDA's ScaledObject, prometheus-operator's
-// ServiceMonitor — checked against their CRDs' OpenAPI schemas, as compiled into validators
+// ServiceMonitor, the Gateway API's HTTPRoute — checked against their CRDs' OpenAPI schemas, as compiled into validators
 // by the kubernetes-models packages (npm: @kubernetes-models/keda, .../prometheus-operator,
-// installed by scripts/test-chart.sh). kubernetes-validate, which checks the built-in kinds,
+// .../gateway-api, installed by scripts/test-chart.sh). kubernetes-validate, which checks the built-in kinds,
 // knows no CRD.
 //
 // Usage: node validate_crds.mjs NODE_MODULES_DIR < objects.json   (a JSON array)
@@ -13,6 +13,10 @@ import { pathToFileURL } from "node:url";
 const modules = process.argv[2];
 const MODELS = {
   "keda.sh/v1alpha1/ScaledObject": ["@kubernetes-models/keda/keda.sh/v1alpha1/ScaledObject.js", "ScaledObject"],
+  "gateway.networking.k8s.io/v1/HTTPRoute": [
+    "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/HTTPRoute.js",
+    "HTTPRoute",
+  ],
   "monitoring.coreos.com/v1/ServiceMonitor": [
     "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/ServiceMonitor.js",
     "ServiceMonitor",
