@@ -72,6 +72,18 @@ pub async fn raw_exchange(addr: SocketAddr, bytes: &[u8], limit: Duration) -> (S
     }
 }
 
+/// An HTTP/2 connection with prior knowledge (h2c) to `addr`: the request sender, and the
+/// task that drives the connection (it ends when the connection closes).
+pub async fn h2c_connect(
+    addr: SocketAddr,
+) -> (hyper::client::conn::http2::SendRequest<Full<Bytes>>, tokio::task::JoinHandle<hyper::Result<()>>) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (sender, conn) = hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), TokioIo::new(tcp))
+        .await
+        .expect("h2c handshake");
+    (sender, tokio::spawn(conn))
+}
+
 /// POST a JSON body.
 pub async fn post(addr: SocketAddr, path: &str, body: &serde_json::Value) -> Resp {
     send(addr, "POST", path, body.to_string()).await

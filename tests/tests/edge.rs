@@ -732,14 +732,7 @@ async fn silent_and_idle_connections_are_closed_by_their_deadlines() {
         }
     });
     // ...and an HTTP/2 connection is served, then closed when idle.
-    let tcp = tokio::net::TcpStream::connect(g.addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::handshake::<_, _, http_body_util::Full<bytes::Bytes>>(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    let h2 = tokio::spawn(conn);
+    let (mut sender, h2) = h2c_connect(g.addr).await;
     let req = hyper::Request::get(format!("http://{}/-/healthz", g.addr))
         .body(http_body_util::Full::new(bytes::Bytes::new()))
         .unwrap();
@@ -794,14 +787,7 @@ async fn http2_heads_obey_the_header_limits() {
     let engine = FaultEngine::start(Fault::Healthy).await;
     let g = GatewayProc::start(&config(&engine.url()).section("limits", "{ max_header_bytes: 4096, max_headers: 20 }"));
     wait_scraped(&g, 1).await;
-    let tcp = tokio::net::TcpStream::connect(g.addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::handshake::<_, _, http_body_util::Full<bytes::Bytes>>(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let (mut sender, _conn) = h2c_connect(g.addr).await;
     let completion =
         || hyper::Request::post(format!("http://{}/v1/completions", g.addr)).header("content-type", "application/json");
     let body = || http_body_util::Full::new(bytes::Bytes::from(small().to_string()));

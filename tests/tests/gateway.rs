@@ -436,12 +436,7 @@ async fn http2_cleartext_clients_stream_through_the_gateway() {
     use http_body_util::{BodyExt, Full};
     let engine = EngineProc::start(&["--sim-profile", "h100-llama3-8b"]);
     let g = start_gateway(&[&engine], "least_load").await;
-    let tcp = tokio::net::TcpStream::connect(g.addr).await.unwrap();
-    let (mut sender, conn) =
-        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(tcp))
-            .await
-            .expect("h2c handshake");
-    tokio::spawn(conn);
+    let (mut sender, _conn) = h2c_connect(g.addr).await;
     // Two concurrent streams on one connection.
     let mut streams = Vec::new();
     for seed in 0..2 {

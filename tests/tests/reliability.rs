@@ -258,12 +258,7 @@ async fn http2_stream_resets_leave_the_other_streams_alone() {
     let engine = FaultEngine::start(Fault::Slow { events: 20, gap_ms: 20 }).await;
     let g = GatewayProc::start(&config(&[engine.url()]));
     wait_scraped(&g, 1).await;
-    let tcp = tokio::net::TcpStream::connect(g.addr).await.unwrap();
-    let (sender, conn) =
-        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(tcp))
-            .await
-            .expect("h2c handshake");
-    tokio::spawn(conn);
+    let (sender, _conn) = h2c_connect(g.addr).await;
     let request = |addr: SocketAddr| {
         let body = json!({"model": "m", "prompt": "p", "stream": true}).to_string();
         hyper::Request::post(format!("http://{addr}/v1/completions"))
