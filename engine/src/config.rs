@@ -82,6 +82,10 @@ pub struct EngineArgs {
     /// most this many seconds (vLLM's flag of the same name); what is still open then is cut.
     #[arg(long, default_value_t = 120)]
     pub shutdown_timeout: u64,
+    /// Publish KV-cache events as vLLM does: JSON with vLLM's keys, e.g.
+    /// `{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}`.
+    #[arg(long)]
+    pub kv_events_config: Option<String>,
 }
 
 impl EngineArgs {
@@ -122,6 +126,8 @@ pub struct EngineConfig {
     pub tensor_parallel_size: usize,
     /// How long requests in flight may run on after SIGTERM.
     pub shutdown_timeout: std::time::Duration,
+    /// KV events to publish (`None`: off).
+    pub kv_events: Option<crate::kv_events::KvEventsConfig>,
 }
 
 fn invalid(field: &'static str, value: impl ToString, reason: impl Into<String>) -> ConfigError {
@@ -221,6 +227,10 @@ impl EngineConfig {
             threads,
             tensor_parallel_size,
             shutdown_timeout: std::time::Duration::from_secs(a.shutdown_timeout),
+            kv_events: match &a.kv_events_config {
+                Some(json) => crate::kv_events::KvEventsConfig::parse(json)?,
+                None => None,
+            },
         })
     }
 

@@ -27,6 +27,8 @@ pub struct StepResult {
     pub num_batched_tokens: usize,
     /// Requests preempted while planning.
     pub num_preempted: usize,
+    /// What the step changed in the prefix cache (empty unless KV events are on).
+    pub kv_events: Vec<crate::kv::KvEvent>,
 }
 
 /// Scheduler + backend.
@@ -82,6 +84,7 @@ impl EngineCore {
             model_time: out.model_time,
             num_batched_tokens: plan.num_batched_tokens(),
             num_preempted: plan.preempted.len(),
+            kv_events: self.scheduler.take_kv_events(),
         }))
     }
 }

@@ -16,6 +16,7 @@ pub mod config;
 pub mod engine_core;
 pub mod error;
 pub mod kv;
+pub mod kv_events;
 pub mod metrics;
 pub mod model;
 pub mod output_processor;
@@ -55,7 +56,15 @@ pub fn build(cfg: &EngineConfig) -> anyhow::Result<Engine> {
     let registry = prometheus::Registry::new();
     let metrics = metrics::EngineMetrics::new(&registry, &cfg.served_model_name, cfg.block_size, cfg.num_blocks)?;
     let output = output_processor::OutputProcessor::new(tokenizer.clone());
-    let (handle, thread, failed) = runtime::spawn(core, output, metrics);
+    let mut core = core;
+    let kv_events = match &cfg.kv_events {
+        Some(kv) => {
+            core.scheduler.enable_kv_events();
+            Some(kv_events::start(kv, metrics.kv_events_dropped.clone())?)
+        }
+        None => None,
+    };
+    let (handle, thread, failed) = runtime::spawn(core, output, metrics, kv_events);
     let limits = server::openai::Limits {
         max_model_len: cfg.scheduler.max_model_len,
         kv_capacity_tokens: cfg.kv_capacity_tokens(),

@@ -42,6 +42,8 @@ pub struct EngineMetrics {
     pub itl: Histogram,
     /// Arrival to last token.
     pub e2e: Histogram,
+    /// KV event batches dropped because the publisher's queue was full.
+    pub kv_events_dropped: IntCounter,
     last: SchedulerStats,
 }
 
@@ -109,6 +111,11 @@ impl EngineMetrics {
                 model,
                 E2E_BUCKETS,
             ))?,
+            kv_events_dropped: IntCounter::with_opts(opts(
+                "switchyard:kv_events_dropped_total",
+                "KV event batches dropped because the publisher's queue was full (--kv-events-config).",
+                model,
+            ))?,
             last: SchedulerStats::default(),
         };
         let info = IntGauge::with_opts(
@@ -132,6 +139,7 @@ impl EngineMetrics {
         registry.register(Box::new(m.ttft.clone()))?;
         registry.register(Box::new(m.itl.clone()))?;
         registry.register(Box::new(m.e2e.clone()))?;
+        registry.register(Box::new(m.kv_events_dropped.clone()))?;
         for reason in [FinishReason::Stop, FinishReason::Length, FinishReason::Abort] {
             m.success.with_label_values(&[reason.as_str()]);
         }

@@ -100,13 +100,15 @@ pub fn spawn(
     core: EngineCore,
     output: OutputProcessor,
     metrics: EngineMetrics,
+    kv_events: Option<crate::kv_events::KvEventSink>,
 ) -> (EngineHandle, thread::JoinHandle<()>, watch::Receiver<Option<String>>) {
     let (tx, rx) = mpsc::channel();
     let (failed_tx, failed) = watch::channel(None);
     let join = thread::Builder::new()
         .name("engine-core".into())
         .spawn(move || {
-            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(core, output, metrics, rx)));
+            let outcome =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(core, output, metrics, rx, kv_events)));
             let reason = match outcome {
                 Ok(Ok(())) => return,
                 Ok(Err(e)) => e.to_string(),
@@ -133,6 +135,7 @@ fn run(
     output: OutputProcessor,
     metrics: EngineMetrics,
     rx: mpsc::Receiver<Command>,
+    kv_events: Option<crate::kv_events::KvEventSink>,
 ) -> Result<(), BackendFailure> {
     let mut shell = Shell { output, sinks: HashMap::new(), metrics };
     loop {
@@ -161,6 +164,9 @@ fn run(
             if deadline > now {
                 thread::sleep(deadline - now);
             }
+        }
+        if let Some(sink) = &kv_events {
+            sink.publish(step.kv_events);
         }
         let processed = shell.output.process(step.outputs);
         // A stop string ended these: free their blocks before the gauges and the next step.

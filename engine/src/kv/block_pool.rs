@@ -92,6 +92,8 @@ pub struct BlockPool {
     free_tail: u32,
     num_free: usize,
     cached: HashMap<BlockHash, BlockId>,
+    /// Hashes evicted since the last [`take_evicted`](Self::take_evicted), when recorded.
+    evicted: Option<Vec<BlockHash>>,
 }
 
 impl BlockPool {
@@ -110,6 +112,7 @@ impl BlockPool {
             free_tail: NIL,
             num_free: 0,
             cached: HashMap::new(),
+            evicted: None,
         };
         for id in 0..num_blocks as u32 {
             pool.push_free_tail(id);
@@ -185,6 +188,9 @@ impl BlockPool {
             if let Some(h) = meta.hash.take() {
                 if self.cached.get(&h) == Some(&b) {
                     self.cached.remove(&h);
+                    if let Some(evicted) = &mut self.evicted {
+                        evicted.push(h);
+                    }
                 }
             }
             meta.ref_count = 1;
@@ -207,16 +213,36 @@ impl BlockPool {
     }
 
     /// Register a computed full block under its chained hash, so later requests can hit
-    /// it. No-op when prefix caching is off, when the block already carries a hash, or
-    /// when another block already caches this hash (this one stays a private copy).
-    pub fn cache_block(&mut self, block: BlockId, hash: BlockHash) {
+    /// it; true when it was registered. No-op (false) when prefix caching is off, when the
+    /// block already carries a hash, or when another block already caches this hash (this
+    /// one stays a private copy).
+    pub fn cache_block(&mut self, block: BlockId, hash: BlockHash) -> bool {
         if !self.prefix_caching || self.blocks[block as usize].hash.is_some() {
-            return;
+            return false;
         }
-        if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
-            e.insert(block);
-            self.blocks[block as usize].hash = Some(hash);
+        match self.cached.entry(hash) {
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(block);
+                self.blocks[block as usize].hash = Some(hash);
+                true
+            }
+            std::collections::hash_map::Entry::Occupied(_) => false,
         }
+    }
+
+    /// Record the hashes [`allocate`](Self::allocate) evicts from now on (KV events).
+    pub fn record_evictions(&mut self) {
+        self.evicted.get_or_insert_with(Vec::new);
+    }
+
+    /// The hashes evicted since the last call (empty unless recording).
+    pub fn take_evicted(&mut self) -> Vec<BlockHash> {
+        self.evicted.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Every hash the pool caches now (what a consumer of its events should hold).
+    pub fn cached_hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        self.cached.keys().copied()
     }
 
     /// Reference count of a block (for tests and metrics).

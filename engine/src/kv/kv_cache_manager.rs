@@ -26,6 +26,7 @@
 use std::collections::HashMap;
 
 use super::block_pool::{extend_block_hashes, BlockHash, BlockId, BlockPool, PoolExhausted};
+use super::events::KvEvent;
 use crate::scheduler::RequestId;
 use crate::tokenizer::TokenId;
 
@@ -54,12 +55,35 @@ struct RequestBlocks {
 pub struct KvCacheManager {
     pool: BlockPool,
     requests: HashMap<RequestId, RequestBlocks>,
+    /// KV events since the last [`take_events`](Self::take_events), when recorded.
+    events: Option<Vec<KvEvent>>,
 }
 
 impl KvCacheManager {
     /// A manager over `pool`.
     pub fn new(pool: BlockPool) -> Self {
-        KvCacheManager { pool, requests: HashMap::new() }
+        KvCacheManager { pool, requests: HashMap::new(), events: None }
+    }
+
+    /// Record [`KvEvent`]s from now on: blocks cached, blocks evicted (see
+    /// [`events`](super::events)).
+    pub fn enable_events(&mut self) {
+        self.pool.record_evictions();
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    /// The events since the last call, in the order they happened (empty unless recording).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.note_evictions();
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Move the pool's evictions into the event log, as one `BlockRemoved`.
+    fn note_evictions(&mut self) {
+        let evicted = self.pool.take_evicted();
+        if let (Some(events), false) = (&mut self.events, evicted.is_empty()) {
+            events.push(KvEvent::BlockRemoved { block_hashes: evicted.iter().map(|h| h.0).collect() });
+        }
     }
 
     /// The block pool (read-only: usage, free blocks, invariants).
@@ -115,6 +139,7 @@ impl KvCacheManager {
         }
         self.pool.touch(&computed.blocks);
         let fresh = self.pool.allocate(need).expect("checked free blocks");
+        self.note_evictions();
         let req = self.requests.entry(id).or_default();
         if req.table.is_empty() {
             // The hits are cached already.
@@ -136,8 +161,26 @@ impl KvCacheManager {
         let bs = self.pool.block_size();
         let full = (num_computed_tokens / bs).min(req.table.len());
         extend_block_hashes(&mut req.hashes, &tokens[..full * bs], bs);
-        for b in req.num_cached_blocks..full {
-            self.pool.cache_block(req.table[b], req.hashes[b]);
+        // Each run of blocks this call registers is one `BlockStored` (a block another one
+        // already caches is not registered, and splits the run).
+        let mut run: Option<usize> = None;
+        for b in req.num_cached_blocks..=full {
+            let stored = b < full && self.pool.cache_block(req.table[b], req.hashes[b]);
+            match (stored, run) {
+                (true, None) => run = Some(b),
+                (false, Some(first)) => {
+                    if let Some(events) = &mut self.events {
+                        events.push(KvEvent::BlockStored {
+                            block_hashes: req.hashes[first..b].iter().map(|h| h.0).collect(),
+                            parent_block_hash: first.checked_sub(1).map(|p| req.hashes[p].0),
+                            token_ids: tokens[first * bs..b * bs].to_vec(),
+                            block_size: bs as u32,
+                        });
+                    }
+                    run = None;
+                }
+                _ => {}
+            }
         }
         req.num_cached_blocks = req.num_cached_blocks.max(full);
     }
@@ -258,6 +301,97 @@ mod tests {
         assert!(m.block_table(1).iter().all(|&b| m.pool().cached_hash(b).is_none()));
         m.free(1);
         assert!(m.get_computed_blocks(2, &tokens).blocks.is_empty());
+    }
+
+    /// KV events (#19): replaying what the manager reported into a set of hashes gives
+    /// exactly what the pool caches, after every one of 20,000 random operations with
+    /// evictions; each `BlockStored` carries its blocks' tokens, chained from a parent the
+    /// consumer has seen stored (or none for block 0; the parent may have been evicted since,
+    /// as in vLLM), and its hashes are the chain over those tokens.
+    #[test]
+    fn replayed_events_hold_exactly_the_pools_cached_blocks() {
+        use super::super::block_pool::hash_block;
+        use std::collections::HashSet;
+        let bs = 4;
+        let mut m = KvCacheManager::new(BlockPool::new(24, bs, true));
+        m.enable_events();
+        let (mut replica, mut seen): (HashSet<u64>, HashSet<u64>) = (HashSet::new(), HashSet::new());
+        let (mut stored, mut removed) = (0, 0);
+        let mut rng = 7u64;
+        let mut next = |n: u64| {
+            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (rng >> 33) % n
+        };
+        let mut live: HashMap<RequestId, Vec<TokenId>> = HashMap::new();
+        for step in 0..20_000u64 {
+            let id = next(8);
+            match (live.get_mut(&id), next(4)) {
+                (None, _) => {
+                    let family = next(3) as u32 * 1000;
+                    let tokens: Vec<_> = (0..1 + next(24) as u32).map(|t| family + t).collect();
+                    let hit = m.get_computed_blocks(id, &tokens);
+                    if m.allocate_slots(id, tokens.len(), &hit).is_ok() {
+                        m.cache_full_blocks(id, &tokens, tokens.len());
+                        live.insert(id, tokens);
+                    } else {
+                        m.free_block_hashes(id);
+                    }
+                }
+                (Some(tokens), 0 | 1) => {
+                    tokens.push(step as u32);
+                    if m.allocate_slots(id, tokens.len(), &ComputedBlocks::default()).is_ok() {
+                        m.cache_full_blocks(id, tokens, tokens.len());
+                    }
+                }
+                (Some(_), _) => {
+                    m.free(id);
+                    m.free_block_hashes(id);
+                    live.remove(&id);
+                }
+            }
+            for event in m.take_events() {
+                match event {
+                    KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size } => {
+                        assert_eq!(token_ids.len(), block_hashes.len() * block_size as usize, "step {step}");
+                        let mut parent = parent_block_hash.map(BlockHash);
+                        if let Some(p) = parent {
+                            // Stored once, maybe evicted since (as in vLLM): a consumer keeps the
+                            // engine-hash → own-key map of what it has seen.
+                            assert!(seen.contains(&p.0), "step {step}: a parent the consumer never saw");
+                        }
+                        for (h, chunk) in block_hashes.iter().zip(token_ids.chunks(bs)) {
+                            let own = hash_block(parent, chunk);
+                            assert_eq!(own.0, *h, "step {step}: the hash is the chain over the tokens");
+                            assert!(replica.insert(*h), "step {step}: stored twice");
+                            seen.insert(*h);
+                            parent = Some(own);
+                            stored += 1;
+                        }
+                    }
+                    KvEvent::BlockRemoved { block_hashes } => {
+                        for h in block_hashes {
+                            assert!(replica.remove(&h), "step {step}: removed a block never stored");
+                            removed += 1;
+                        }
+                    }
+                    KvEvent::AllBlocksCleared => replica.clear(),
+                }
+            }
+            let cached: HashSet<u64> = m.pool().cached_hashes().map(|h| h.0).collect();
+            assert_eq!(replica, cached, "step {step}");
+        }
+        assert!(stored > 1000 && removed > 500, "the run exercised the cache: {stored} stored, {removed} removed");
+    }
+
+    #[test]
+    fn without_events_enabled_nothing_is_recorded() {
+        let mut m = KvCacheManager::new(BlockPool::new(2, 2, true));
+        let tokens = toks(4, 100);
+        m.allocate_slots(1, 4, &ComputedBlocks::default()).unwrap();
+        m.cache_full_blocks(1, &tokens, 4);
+        m.free(1);
+        m.allocate_slots(2, 4, &ComputedBlocks::default()).unwrap();
+        assert!(m.take_events().is_empty());
     }
 
     /// 20,000 seeded random operations (admit with hits, grow, compute, preempt, finish):

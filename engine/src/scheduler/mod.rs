@@ -220,6 +220,16 @@ impl Scheduler {
         self.running.len()
     }
 
+    /// Record KV events from now on ([`crate::kv::events`]).
+    pub fn enable_kv_events(&mut self) {
+        self.kv.enable_events();
+    }
+
+    /// The KV events since the last call (empty unless enabled).
+    pub fn take_kv_events(&mut self) -> Vec<crate::kv::KvEvent> {
+        self.kv.take_events()
+    }
+
     /// No request at all.
     pub fn is_idle(&self) -> bool {
         self.requests.is_empty()

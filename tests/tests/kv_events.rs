@@ -1,0 +1,88 @@
+//! KV events from a real engine process (#19, engine side): with `--kv-events-config` the
+//! engine publishes, per scheduler step that changed its prefix cache, vLLM's three-frame ZMQ
+//! messages `[topic, seq, msgpack batch]` — here to a SUB socket the test binds (the engine
+//! connects, as vLLM does for an endpoint without `*`) — and answers replays on a ROUTER.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::{json, Value};
+use switchyard_testkit::*;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+/// One received message: (sequence, decoded batch).
+async fn next_batch(sub: &mut zeromq::SubSocket) -> (u64, Value) {
+    let msg = tokio::time::timeout(PATIENCE, sub.recv()).await.expect("an event batch").expect("recv");
+    let frames = msg.into_vec();
+    assert_eq!(frames.len(), 3, "[topic, seq, payload]");
+    assert_eq!(&frames[0][..], b"kv@test@m", "the topic frame");
+    let seq = u64::from_be_bytes(frames[1][..].try_into().expect("8-byte sequence"));
+    (seq, rmp_serde::from_slice(&frames[2]).expect("a msgpack batch"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_publishes_and_replays_kv_events_as_vllm_does() {
+    let mut sub = zeromq::SubSocket::new();
+    let endpoint = sub.bind("tcp://127.0.0.1:0").await.expect("bind SUB");
+    sub.subscribe("").await.unwrap();
+    let replay_port = free_port();
+    let config = json!({
+        "enable_kv_cache_events": true, "publisher": "zmq", "endpoint": endpoint.to_string(),
+        "replay_endpoint": format!("tcp://127.0.0.1:{replay_port}"), "topic": "kv@test@m",
+    });
+    let engine = EngineProc::start(&["--sim-profile", "instant", "--kv-events-config", &config.to_string()]);
+    // 40 words: several 16-token blocks.
+    let prompt: String = (0..40).map(|i| format!("word{i} ")).collect();
+    let body = json!({"prompt": prompt, "max_tokens": 4});
+    // The engine's PUB connects in the background; requests before it is up publish to no one.
+    let mut received = Vec::new();
+    while received.is_empty() {
+        assert_eq!(post(engine.addr, "/v1/completions", &body).await.status, 200);
+        if let Ok(Ok(msg)) = tokio::time::timeout(Duration::from_millis(300), sub.recv()).await {
+            received.push(msg);
+        }
+    }
+    let first = received.remove(0).into_vec();
+    let first_seq = u64::from_be_bytes(first[1][..].try_into().unwrap());
+
+    // A prompt not seen before: its blocks are stored, chained, with their tokens.
+    let fresh: String = (0..40).map(|i| format!("other{i} ")).collect();
+    assert_eq!(post(engine.addr, "/v1/completions", &json!({"prompt": fresh, "max_tokens": 4})).await.status, 200);
+    let (seq, batch) = next_batch(&mut sub).await;
+    assert!(seq > first_seq, "sequence numbers grow ({first_seq} then {seq})");
+    let batch = batch.as_array().expect("the batch is [ts, events, dp_rank]");
+    assert!(batch[0].as_f64().unwrap() > 1.7e9, "a Unix timestamp");
+    assert_eq!(batch[2], 0, "data_parallel_rank");
+    let stored = &batch[1].as_array().unwrap()[0];
+    assert_eq!(stored["type"], "BlockStored", "{stored}");
+    assert_eq!(stored["parent_block_hash"], Value::Null, "a sequence's block 0 has no parent");
+    assert_eq!((&stored["block_size"], &stored["medium"]), (&json!(16), &json!("GPU")));
+    let hashes = stored["block_hashes"].as_array().unwrap();
+    assert!(!hashes.is_empty());
+    assert_eq!(stored["token_ids"].as_array().unwrap().len(), hashes.len() * 16, "every token of those blocks");
+    for key in ["lora_id", "lora_name"] {
+        assert!(stored.get(key).is_some_and(Value::is_null), "{key} present and nil");
+    }
+
+    // Replay from the first sequence this test saw: the same batches, then the end marker.
+    let mut dealer = zeromq::DealerSocket::new();
+    dealer.connect(&format!("tcp://127.0.0.1:{replay_port}")).await.expect("connect DEALER");
+    let ask = ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&first_seq.to_be_bytes())]).unwrap();
+    dealer.send(ask).await.unwrap();
+    let mut replayed = Vec::new();
+    loop {
+        let msg = tokio::time::timeout(PATIENCE, dealer.recv()).await.expect("a replay answer").unwrap().into_vec();
+        assert_eq!((msg.len(), msg[0].is_empty()), (3, true), "[\"\", seq, payload]");
+        if msg[2].is_empty() {
+            assert_eq!(&msg[1][..], &[0xFF; 8], "the end marker");
+            break;
+        }
+        replayed.push(u64::from_be_bytes(msg[1][..].try_into().unwrap()));
+    }
+    assert_eq!(replayed.first(), Some(&first_seq));
+    assert!(replayed.contains(&seq), "the replay has every buffered batch: {replayed:?}");
+    assert!(replayed.windows(2).all(|w| w[1] == w[0] + 1), "consecutive: {replayed:?}");
+    eprintln!("{} blocks stored by the fresh prompt; replayed sequences {replayed:?}", hashes.len());
+    let m = scrape(engine.addr).await;
+    assert_eq!(metric(&m, "switchyard:kv_events_dropped_total"), 0.0);
+}
