@@ -105,3 +105,20 @@ pub fn request_path(data: &[u8]) {
     meter.observe(body);
     let _ = meter.used(plan.prompt_tokens);
 }
+
+/// The KV-event decoder ([`crate::kv_events::wire::decode_batch`]) on bytes an engine (or
+/// anyone reaching its ZMQ port) sends: it never panics, refuses what is too large or too deep
+/// without decoding it, and decodes the same bytes to the same batch.
+pub fn kv_event_batch(data: &[u8]) {
+    use crate::kv_events::wire::{decode_batch, DecodeError, MAX_PAYLOAD_BYTES};
+    let first = decode_batch(data);
+    if data.len() > MAX_PAYLOAD_BYTES {
+        assert!(matches!(first, Err(DecodeError::TooLarge(_))));
+    }
+    let again = decode_batch(data);
+    match (&first, &again) {
+        (Ok(a), Ok(b)) => assert!(a.ts.to_bits() == b.ts.to_bits() && a.events == b.events),
+        (Err(a), Err(b)) => assert_eq!(a, b),
+        _ => panic!("decoding the same bytes twice disagreed"),
+    }
+}

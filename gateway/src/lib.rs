@@ -34,6 +34,7 @@ pub(crate) mod ewma;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub(crate) mod http;
+pub mod kv_events;
 pub(crate) mod metrics;
 pub(crate) mod policy;
 pub(crate) mod pool;

@@ -1,5 +1,6 @@
 //! Replays the fuzz seeds and every input the fuzzer ever found (gateway/fuzz/corpus and
-//! gateway/fuzz/regressions) through the request path, on the stable toolchain, in CI.
+//! gateway/fuzz/regressions) through their targets — the request path, the KV-event decoder —
+//! on the stable toolchain, in CI.
 
 use std::path::Path;
 
@@ -12,7 +13,7 @@ fn fuzz_seeds_and_past_findings_pass_the_request_path() {
         let entries = std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         for entry in entries {
             let path = entry.unwrap().path();
-            if path.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')) {
+            if path.is_dir() || path.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')) {
                 continue;
             }
             let data = std::fs::read(&path).unwrap();
@@ -22,4 +23,24 @@ fn fuzz_seeds_and_past_findings_pass_the_request_path() {
         }
     }
     assert!(replayed >= 4, "the seed corpus is missing ({replayed} inputs)");
+}
+
+#[test]
+fn fuzz_seeds_and_past_findings_pass_the_kv_event_decoder() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
+    let mut replayed = 0;
+    for dir in ["corpus/kv_events", "regressions/kv_events"] {
+        let dir = root.join(dir);
+        for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let path = entry.unwrap().path();
+            if path.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')) {
+                continue;
+            }
+            let data = std::fs::read(&path).unwrap();
+            let outcome = std::panic::catch_unwind(|| switchyard_gateway::fuzzing::kv_event_batch(&data));
+            assert!(outcome.is_ok(), "{} fails the KV-event decoder", path.display());
+            replayed += 1;
+        }
+    }
+    assert!(replayed >= 11, "the seed corpus is missing ({replayed} inputs)");
 }
