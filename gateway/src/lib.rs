@@ -16,8 +16,10 @@
 //! - [`admin`] and [`metrics`]; [`auth`], [`admission`], [`retry`] and [`pool`] are the
 //!   edge's building blocks.
 //!
-//! Only [`run`], [`GatewayConfig`] and (feature `fuzzing`) the fuzz entry point are public:
-//! everything else is crate-private, so the compiler finds what nothing uses.
+//! Only [`run`], [`GatewayConfig`], (feature `fuzzing`) the fuzz entry point and the pure
+//! [`kv_events`] decoder and index (their memory is measured by a test with its own global
+//! allocator) are public: everything else is crate-private, so the compiler finds what nothing
+//! uses.
 
 pub(crate) mod access_log;
 pub(crate) mod admin;
