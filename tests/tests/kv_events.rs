@@ -86,3 +86,70 @@ async fn the_engine_publishes_and_replays_kv_events_as_vllm_does() {
     let m = scrape(engine.addr).await;
     assert_eq!(metric(&m, "switchyard:kv_events_dropped_total"), 0.0);
 }
+
+/// The engine's KV events, through the bytes it publishes, rebuild in the gateway's index
+/// exactly the blocks the engine's pool caches — after every step of a random workload with
+/// evictions and preemptions, and after a restart (#19).
+#[test]
+fn the_engines_events_rebuild_its_cache_in_the_gateways_index() {
+    use std::collections::{HashMap, HashSet};
+    use switchyard_engine::kv::{encode_batch, BlockPool, ComputedBlocks, KvCacheManager};
+    use switchyard_gateway::kv_events::index::{Applied, KvIndex};
+    use switchyard_gateway::kv_events::wire::decode_batch;
+
+    let bs = 16;
+    let mut ix = KvIndex::new(bs, 1 << 30);
+    let mut rng = 11u64;
+    let mut next = |n: u64| {
+        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (rng >> 33) % n
+    };
+    let mut ts = 1.0;
+    for life in 0..2 {
+        // A fresh engine process: its sequence starts at 0 again, later in time.
+        let mut m = KvCacheManager::new(BlockPool::new(40, bs, true));
+        m.enable_events();
+        let mut live: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut seq = 0u64;
+        for step in 0..3000u64 {
+            let id = next(8);
+            match (live.get_mut(&id), next(4)) {
+                (None, _) => {
+                    let family = next(4) as u32 * 10_000;
+                    let tokens: Vec<u32> = (0..1 + next(100) as u32).map(|t| family + t).collect();
+                    let hit = m.get_computed_blocks(id, &tokens);
+                    if m.allocate_slots(id, tokens.len(), &hit).is_ok() {
+                        m.cache_full_blocks(id, &tokens, tokens.len());
+                        live.insert(id, tokens);
+                    } else {
+                        m.free_block_hashes(id);
+                    }
+                }
+                (Some(tokens), 0 | 1) => {
+                    tokens.extend((0..1 + next(20) as u32).map(|t| 500_000 + step as u32 * 32 + t));
+                    if m.allocate_slots(id, tokens.len(), &ComputedBlocks::default()).is_ok() {
+                        m.cache_full_blocks(id, tokens, tokens.len());
+                    }
+                }
+                // Finished or preempted: the blocks go back, cached ones stay hittable.
+                (Some(_), _) => {
+                    m.free(id);
+                    m.free_block_hashes(id);
+                    live.remove(&id);
+                }
+            }
+            let events = m.take_events();
+            if !events.is_empty() {
+                ts += 1.0;
+                let batch = decode_batch(&encode_batch(ts, &events, 0)).expect("the engine's bytes decode");
+                let applied = ix.apply(0, seq, &batch);
+                let want = if life > 0 && seq == 0 { Applied::Restarted } else { Applied::InOrder };
+                assert_eq!(applied, want, "life {life}, step {step}");
+                seq += 1;
+            }
+            let cached: HashSet<u64> = m.pool().cached_hashes().map(|h| h.0).collect();
+            assert_eq!(ix.held_engine_hashes(0), cached, "life {life}, step {step}");
+        }
+        assert!(seq > 500, "the workload changed the cache often ({seq} batches)");
+    }
+}

@@ -208,6 +208,19 @@ impl KvIndex {
         keys.iter().take_while(|k| self.blocks.get(k).is_some_and(|e| e.holders & bit != 0)).count()
     }
 
+    /// The engine's own hashes of the blocks the index says the engine in `slot` holds (to
+    /// compare with what the engine caches).
+    pub fn held_engine_hashes(&self, slot: EngineSlot) -> std::collections::HashSet<u64> {
+        let bit = 1u64 << slot;
+        let Some(Some(engine)) = self.engines.get(slot as usize) else { return Default::default() };
+        engine
+            .keys
+            .iter()
+            .filter(|(_, k)| self.blocks.get(k).is_some_and(|e| e.holders & bit != 0))
+            .map(|(h, _)| *h)
+            .collect()
+    }
+
     /// Count `keys` as just used (the prefix a request was routed on): they are evicted last.
     pub fn touch(&mut self, keys: &[BlockKey]) {
         for &key in keys {
