@@ -132,6 +132,40 @@ pub struct GatewayConfig {
     pub drain: DrainConfig,
     /// What `/-/ready` requires.
     pub readiness: ReadinessConfig,
+    /// Subscribe to the engines' KV-cache events (vLLM's `--kv-events-config`); read at start.
+    pub kv_events: Option<KvEventsConfig>,
+}
+
+/// `kv_events`: the engines' KV-cache events, for a precise block index every gateway
+/// replica builds alike.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvEventsConfig {
+    /// The engines' block size (tokens).
+    pub block_size: usize,
+    /// For discovered engines (DNS, Kubernetes): their PUB socket is `tcp://<address>:<port>`.
+    pub port: Option<u16>,
+    /// … and their replay ROUTER socket `tcp://<address>:<replay_port>`.
+    pub replay_port: Option<u16>,
+    /// Hard memory bound of the index.
+    pub max_bytes: usize,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        KvEventsConfig { block_size: 16, port: None, replay_port: None, max_bytes: 64 * 1024 * 1024 }
+    }
+}
+
+impl KvEventsConfig {
+    fn validate(&self, errs: &mut Errors) {
+        if !(1..=1024).contains(&self.block_size) {
+            errs.add("kv_events.block_size", self.block_size, "must be in 1..=1024");
+        }
+        if self.max_bytes < 1024 * 1024 {
+            errs.add("kv_events.max_bytes", self.max_bytes, "must be >= 1 MiB");
+        }
+    }
 }
 
 /// `readiness`: when the gateway tells its load balancer (a Kubernetes Service) it is ready.
@@ -174,6 +208,7 @@ impl Default for GatewayConfig {
             auth: AuthConfig::default(),
             drain: DrainConfig::default(),
             readiness: ReadinessConfig::default(),
+            kv_events: None,
         }
     }
 }
@@ -254,6 +289,15 @@ impl DiscoveryConfig {
                 errs.add(format!("discovery.static[{i}].url"), &b.url, reason);
             } else if !seen.insert(b.url.trim_end_matches('/')) {
                 errs.add(format!("discovery.static[{i}].url"), &b.url, "listed twice");
+            }
+            for (name, endpoint) in [("kv_events", &b.kv_events), ("kv_events_replay", &b.kv_events_replay)] {
+                if let Some(e) = endpoint {
+                    if !e.starts_with("tcp://")
+                        || e[6..].rsplit_once(':').is_none_or(|(_, p)| p.parse::<u16>().is_err())
+                    {
+                        errs.add(format!("discovery.static[{i}].{name}"), e, "must be tcp://HOST:PORT");
+                    }
+                }
             }
             if let Some(models) = &b.models {
                 if models.is_empty() || models.iter().any(|m| m.is_empty()) {
@@ -386,6 +430,12 @@ pub struct StaticBackend {
     /// Models it serves; when absent they are read from its `/v1/models`.
     #[serde(default)]
     pub models: Option<Vec<String>>,
+    /// Its KV-event PUB socket, `tcp://host:port` (needs the top-level `kv_events`).
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// Its KV-event replay ROUTER socket, `tcp://host:port`.
+    #[serde(default)]
+    pub kv_events_replay: Option<String>,
 }
 
 /// Scraping of each backend's `/metrics`.
@@ -877,6 +927,14 @@ impl GatewayConfig {
             errs.add("admin_listen", &self.admin_listen, "must differ from listen");
         }
         self.admin.validate(&mut errs);
+        if let Some(k) = &self.kv_events {
+            k.validate(&mut errs);
+        }
+        for (i, b) in self.discovery.static_backends.iter().enumerate() {
+            if self.kv_events.is_none() && (b.kv_events.is_some() || b.kv_events_replay.is_some()) {
+                errs.add(format!("discovery.static[{i}].kv_events"), &b.url, "needs the top-level kv_events section");
+            }
+        }
         self.discovery.validate(&mut errs);
         self.admission.validate(&mut errs);
         self.scrape.validate(&mut errs);

@@ -143,6 +143,10 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
         let service = discovery::kubernetes::K8sDiscovery::new(publisher(), k);
         server.add_service(background_service("kubernetes-discovery", service));
     }
+    if let Some(shared) = state.kv_events.clone() {
+        let service = crate::kv_events::subscriber::KvEventsService::new(state.active.clone(), shared);
+        server.add_service(background_service("kv-events", service));
+    }
     let drain = {
         let (settings, flush) = (state.clone(), state.clone());
         drain::DrainSignal::new(

@@ -100,6 +100,8 @@ pub struct GatewayState {
     pub bodies: Arc<BodyBudget>,
     /// Retries spent against requests made.
     pub retry_budget: Mutex<RetryBudget>,
+    /// The engines' KV events and the precise index they build (`kv_events` configured).
+    pub kv_events: Option<Arc<crate::kv_events::subscriber::KvEventsShared>>,
 }
 
 impl GatewayState {
@@ -112,6 +114,10 @@ impl GatewayState {
         // connections go to `pool`), so its size does not matter.
         let mut connector_options = pingora::connectors::ConnectorOptions::new(128);
         connector_options.ca_file = config.upstream_tls.ca_file.clone();
+        let config_kv_events = config
+            .kv_events
+            .as_ref()
+            .map(|k| crate::kv_events::subscriber::KvEventsShared::new(k.block_size, k.max_bytes));
         let r = &config.retries;
         let retry_budget = RetryBudget::new(r.budget_percent, r.min_retries_per_second, std::time::Instant::now());
         Arc::new(GatewayState {
@@ -126,6 +132,7 @@ impl GatewayState {
             discovered: ArcSwap::from_pointee(Vec::new()),
             queue: AdmissionQueue::new(),
             retry_budget: Mutex::new(retry_budget),
+            kv_events: config_kv_events,
         })
     }
 

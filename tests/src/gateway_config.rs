@@ -27,6 +27,8 @@ pub struct GatewayConfigBuilder {
     tls: Option<Tls>,
     upstream_ca: Option<String>,
     sections: Vec<(String, String)>,
+    /// Static backends' KV-event endpoints: url → (PUB, replay).
+    kv_event_endpoints: Vec<(String, String, Option<String>)>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -154,6 +156,7 @@ impl GatewayConfigBuilder {
             tls: None,
             upstream_ca: None,
             sections: Vec::new(),
+            kv_event_endpoints: Vec::new(),
         }
     }
 
@@ -181,6 +184,14 @@ impl GatewayConfigBuilder {
     /// One static backend declared to serve `models` (routable before its first scrape).
     pub fn backend_serving(mut self, url: &str, models: &[&str]) -> GatewayConfigBuilder {
         self.static_entries().push((url.to_string(), models.iter().map(|m| m.to_string()).collect()));
+        self
+    }
+
+    /// One static backend whose KV events come from `endpoint` (and replays from `replay`);
+    /// the config needs a `kv_events` section too.
+    pub fn backend_with_kv_events(mut self, url: &str, endpoint: &str, replay: Option<&str>) -> GatewayConfigBuilder {
+        self.static_entries().push((url.to_string(), Vec::new()));
+        self.kv_event_endpoints.push((url.to_string(), endpoint.to_string(), replay.map(str::to_string)));
         self
     }
 
@@ -304,11 +315,17 @@ impl GatewayConfigBuilder {
             Discovery::Static(entries) => {
                 y.push_str("discovery:\n  static:\n");
                 for (url, models) in entries {
-                    if models.is_empty() {
-                        let _ = writeln!(y, "    - url: {url}");
-                    } else {
-                        let _ = writeln!(y, "    - {{ url: {url}, models: [{}] }}", models.join(", "));
+                    let mut fields = format!("url: {url}");
+                    if !models.is_empty() {
+                        let _ = write!(fields, ", models: [{}]", models.join(", "));
                     }
+                    if let Some((_, endpoint, replay)) = self.kv_event_endpoints.iter().find(|(u, _, _)| u == url) {
+                        let _ = write!(fields, ", kv_events: \"{endpoint}\"");
+                        if let Some(r) = replay {
+                            let _ = write!(fields, ", kv_events_replay: \"{r}\"");
+                        }
+                    }
+                    let _ = writeln!(y, "    - {{ {fields} }}");
                 }
             }
             Discovery::Kubernetes { namespace, service, port_name, api_server } => {

@@ -153,3 +153,92 @@ fn the_engines_events_rebuild_its_cache_in_the_gateways_index() {
         assert!(seq > 500, "the workload changed the cache often ({seq} batches)");
     }
 }
+
+/// The gateway subscribes to an engine's KV events (#19): batches it receives build its
+/// index (`/admin/backends` shows the stream and the blocks held); a sequence gap is closed by
+/// asking the engine's replay socket; without a replay socket the engine's entries are
+/// forgotten rather than left stale. The engine's side is played by the test, with the
+/// engine's own encoder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_indexes_an_engines_events_and_replays_gaps() {
+    use switchyard_engine::kv::{encode_batch, KvEvent};
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let mut publisher = zeromq::PubSocket::new();
+    let pub_endpoint = publisher.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let mut router = zeromq::RouterSocket::new();
+    let replay_endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let g = GatewayProc::start(
+        &GatewayConfigBuilder::new()
+            .backend_with_kv_events(&engine.url(), &pub_endpoint, Some(&replay_endpoint))
+            .section("kv_events", "{ block_size: 4 }"),
+    );
+    let stored = |hashes: &[u64], parent: Option<u64>, first_token: u32| KvEvent::BlockStored {
+        block_hashes: hashes.to_vec(),
+        parent_block_hash: parent,
+        token_ids: (first_token..first_token + 4 * hashes.len() as u32).collect(),
+        block_size: 4,
+    };
+    // Every batch published, by sequence (what the replay socket answers from).
+    let sent = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(u64, Vec<u8>)>::new()));
+    let frames = |seq: u64, payload: &[u8]| {
+        ZmqMessage::try_from(vec![
+            Bytes::from_static(b"kv@e@m"),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            Bytes::copy_from_slice(payload),
+        ])
+        .unwrap()
+    };
+    let kv = async || backends(&g).await["backends"][0]["kv_events"].clone();
+    // The gateway's SUB connects in the background: publish harmless batches until it hears.
+    let mut seq = 0u64;
+    loop {
+        let payload = encode_batch(seq as f64 + 1.0, &[], 0);
+        sent.lock().unwrap().push((seq, payload.clone()));
+        publisher.send(frames(seq, &payload)).await.unwrap();
+        seq += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if kv().await["receiving"] == true {
+            break;
+        }
+        assert!(seq < 400, "the gateway never received a batch: {}", kv().await);
+    }
+    let mut publish = async |seq: u64, events: Vec<KvEvent>, send: bool| {
+        let payload = encode_batch(seq as f64 + 1.0, &events, 0);
+        sent.lock().unwrap().push((seq, payload.clone()));
+        if send {
+            publisher.send(frames(seq, &payload)).await.unwrap();
+        }
+    };
+    publish(seq, vec![stored(&[11, 12], None, 0)], true).await;
+    eventually("two blocks held", async || kv().await["held_blocks"] == 2).await;
+
+    // Batches seq+1 and seq+2 are lost on the way; seq+3 arrives: the gateway asks for a replay.
+    let replays = tokio::spawn({
+        let sent = sent.clone();
+        async move {
+            let ask = router.recv().await.unwrap().into_vec();
+            let start = u64::from_be_bytes(ask[2][..].try_into().unwrap());
+            let reply = |s: Bytes, p: Bytes| ZmqMessage::try_from(vec![ask[0].clone(), Bytes::new(), s, p]).unwrap();
+            let batches: Vec<(u64, Vec<u8>)> =
+                sent.lock().unwrap().iter().filter(|(s, _)| *s >= start).cloned().collect();
+            for (s, p) in batches {
+                router.send(reply(Bytes::copy_from_slice(&s.to_be_bytes()), Bytes::from(p))).await.unwrap();
+            }
+            router.send(reply(Bytes::from_static(&[0xFF; 8]), Bytes::new())).await.unwrap();
+            start
+        }
+    });
+    publish(seq + 1, vec![stored(&[13], Some(12), 8)], false).await;
+    publish(seq + 2, vec![KvEvent::BlockRemoved { block_hashes: vec![11] }], false).await;
+    publish(seq + 3, vec![stored(&[21], None, 100)], true).await;
+    let start = tokio::time::timeout(PATIENCE, replays).await.expect("a replay request").unwrap();
+    assert_eq!(start, seq + 1, "the replay starts at the first missing batch");
+    eventually("the gap closed by the replay", async || {
+        let s = kv().await;
+        s["replayed"] == 1 && s["last_seq"] == seq + 3
+    })
+    .await;
+    let state = kv().await;
+    // 11, 12 stored; 13 stored (replayed); 11 removed (replayed); 21 stored.
+    assert_eq!((&state["held_blocks"], &state["gaps"], &state["resets"]), (&json!(3), &json!(1), &json!(0)), "{state}");
+}

@@ -1,0 +1,266 @@
+//! The I/O shell around the [`index`](super::index): one ZMQ SUB connection per engine that
+//! publishes KV events, feeding every batch into the shared index in sequence order.
+//!
+//! The service looks at the cluster every second: an engine's PUB endpoint is the one its
+//! static entry names (`discovery.static[].kv_events`), else `tcp://<address>:<kv_events.port>`
+//! for discovered engines. A new engine gets a slot in the index and a subscriber task; an
+//! engine that left loses both (its entries go). A subscriber decodes each message
+//! (`[topic, seq, payload]`), applies it, and on a sequence gap asks the engine's replay
+//! socket (DEALER → ROUTER, `[ "", start ]`, until the end marker) for the missing batches;
+//! with no replay socket, or when the replay does not close the gap, the engine's entries are
+//! forgotten and re-learned (stale entries would route wrongly; missing ones only cost a hit).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use bytes::Bytes;
+use parking_lot::Mutex;
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use super::index::{Applied, EngineSlot, KvIndex, MAX_ENGINES};
+use super::wire::{decode_batch, EventBatch};
+use crate::state::Active;
+
+/// How often the set of engines is compared with the subscriptions.
+const RESYNC: Duration = Duration::from_secs(1);
+/// How long a replay may take before the gap is given up on.
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One engine's event stream, as `/admin/backends` shows it.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct StreamState {
+    /// The PUB endpoint subscribed to.
+    pub endpoint: String,
+    /// The replay endpoint, if any.
+    pub replay_endpoint: Option<String>,
+    /// A message has arrived since the subscription (ZMQ connects silently).
+    pub receiving: bool,
+    /// Batches applied.
+    pub batches: u64,
+    /// Sequence gaps seen, and how many a replay closed.
+    pub gaps: u64,
+    /// Gaps a replay closed.
+    pub replayed: u64,
+    /// Messages that did not decode.
+    pub undecodable: u64,
+}
+
+/// The index and the streams feeding it, shared with the admin listener and the policies.
+#[derive(Debug)]
+pub struct KvEventsShared {
+    /// The index.
+    pub index: Mutex<KvIndex>,
+    /// Per backend key: its slot and stream.
+    pub streams: Mutex<HashMap<u64, (EngineSlot, StreamState)>>,
+}
+
+impl KvEventsShared {
+    /// An empty index for `block_size`-token blocks within `max_bytes`.
+    pub fn new(block_size: usize, max_bytes: usize) -> Arc<Self> {
+        Arc::new(KvEventsShared { index: Mutex::new(KvIndex::new(block_size, max_bytes)), streams: Mutex::default() })
+    }
+
+    /// What `/admin/backends` shows for the backend keyed `key`.
+    pub fn describe(&self, key: u64) -> Option<serde_json::Value> {
+        let streams = self.streams.lock();
+        let (slot, stream) = streams.get(&key)?;
+        let index = self.index.lock();
+        let stats = index.stats(*slot).cloned().unwrap_or_default();
+        Some(serde_json::json!({
+            "endpoint": stream.endpoint,
+            "replay_endpoint": stream.replay_endpoint,
+            "receiving": stream.receiving,
+            "batches": stream.batches,
+            "last_seq": stats.last_seq,
+            "gaps": stream.gaps,
+            "replayed": stream.replayed,
+            "undecodable": stream.undecodable,
+            "held_blocks": stats.held_blocks,
+            "skipped_events": stats.skipped_events,
+            "resets": stats.resets,
+        }))
+    }
+}
+
+/// The background service.
+pub struct KvEventsService {
+    active: Arc<ArcSwap<Active>>,
+    shared: Arc<KvEventsShared>,
+}
+
+impl KvEventsService {
+    /// Subscribe to the engines `active` lists, feeding `shared`.
+    pub fn new(active: Arc<ArcSwap<Active>>, shared: Arc<KvEventsShared>) -> Self {
+        KvEventsService { active, shared }
+    }
+
+    /// Each backend's (PUB, replay) endpoints, by backend key.
+    fn wanted(&self) -> HashMap<u64, (String, Option<String>)> {
+        let active = self.active.load();
+        let cfg = &active.config;
+        let Some(kv) = &cfg.kv_events else { return HashMap::new() };
+        let mut out = HashMap::new();
+        for b in &active.cluster.backends {
+            let configured = cfg.discovery.static_backends.iter().find(|s| s.url.trim_end_matches('/') == b.url);
+            let endpoints = match configured.and_then(|s| s.kv_events.clone()) {
+                Some(pub_endpoint) => Some((pub_endpoint, configured.and_then(|s| s.kv_events_replay.clone()))),
+                None => match (b.addr, kv.port) {
+                    (Some(addr), Some(port)) => Some((
+                        format!("tcp://{}", std::net::SocketAddr::new(addr.ip(), port)),
+                        kv.replay_port.map(|p| format!("tcp://{}", std::net::SocketAddr::new(addr.ip(), p))),
+                    )),
+                    _ => None,
+                },
+            };
+            if let Some(e) = endpoints {
+                out.insert(b.key, e);
+            }
+        }
+        out
+    }
+}
+
+#[async_trait]
+impl BackgroundService for KvEventsService {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut tasks: HashMap<u64, ((String, Option<String>), tokio::task::JoinHandle<()>)> = HashMap::new();
+        loop {
+            let wanted = self.wanted();
+            // Engines gone, or whose endpoints changed: stop, forget, free the slot.
+            let stale: Vec<u64> =
+                tasks.iter().filter(|(k, (e, _))| wanted.get(k) != Some(e)).map(|(k, _)| *k).collect();
+            for key in stale {
+                if let Some((_, task)) = tasks.remove(&key) {
+                    task.abort();
+                }
+                if let Some((slot, _)) = self.shared.streams.lock().remove(&key) {
+                    self.shared.index.lock().remove_engine(slot);
+                }
+            }
+            for (key, endpoints) in wanted {
+                if tasks.contains_key(&key) {
+                    continue;
+                }
+                let slot = {
+                    let mut streams = self.shared.streams.lock();
+                    let used: Vec<EngineSlot> = streams.values().map(|(s, _)| *s).collect();
+                    let Some(slot) = (0..MAX_ENGINES as u8).find(|s| !used.contains(s)) else {
+                        tracing::warn!(
+                            "more than {MAX_ENGINES} engines publish KV events; the rest are routed approximately"
+                        );
+                        continue;
+                    };
+                    let state = StreamState {
+                        endpoint: endpoints.0.clone(),
+                        replay_endpoint: endpoints.1.clone(),
+                        ..StreamState::default()
+                    };
+                    streams.insert(key, (slot, state));
+                    slot
+                };
+                let task = tokio::spawn(subscribe(self.shared.clone(), key, slot, endpoints.clone()));
+                tasks.insert(key, (endpoints, task));
+            }
+            tokio::select! {
+                _ = shutdown.changed() => {
+                    for (_, (_, task)) in tasks.drain() {
+                        task.abort();
+                    }
+                    return;
+                }
+                _ = tokio::time::sleep(RESYNC) => {}
+            }
+        }
+    }
+}
+
+/// Follow one engine's stream until aborted.
+async fn subscribe(shared: Arc<KvEventsShared>, key: u64, slot: EngineSlot, endpoints: (String, Option<String>)) {
+    let (pub_endpoint, replay_endpoint) = endpoints;
+    let mut sub = zeromq::SubSocket::new();
+    // ZMQ reconnects by itself once connected; the first connect may find nobody listening.
+    loop {
+        match sub.connect(&pub_endpoint).await {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::debug!(endpoint = %pub_endpoint, error = %e, "KV events: cannot connect yet");
+                tokio::time::sleep(RESYNC).await;
+            }
+        }
+    }
+    if let Err(e) = sub.subscribe("").await {
+        tracing::warn!(endpoint = %pub_endpoint, error = %e, "KV events: cannot subscribe");
+        return;
+    }
+    loop {
+        let Ok(message) = sub.recv().await else { continue };
+        let frames = message.into_vec();
+        let decoded = match frames.as_slice() {
+            [_topic, seq, payload] => <[u8; 8]>::try_from(seq.as_ref())
+                .ok()
+                .map(u64::from_be_bytes)
+                .and_then(|seq| decode_batch(payload).ok().map(|b| (seq, b))),
+            _ => None,
+        };
+        let Some((seq, batch)) = decoded else {
+            stream_mut(&shared, key, |s| s.undecodable += 1);
+            continue;
+        };
+        stream_mut(&shared, key, |s| s.receiving = true);
+        let applied = shared.index.lock().apply(slot, seq, &batch);
+        if let Applied::Gap { missing } = applied {
+            stream_mut(&shared, key, |s| s.gaps += 1);
+            let replayed = match &replay_endpoint {
+                Some(r) => tokio::time::timeout(REPLAY_TIMEOUT, replay(r, missing.start)).await.ok().flatten(),
+                None => None,
+            };
+            let closed = replayed.is_some_and(|batches| {
+                let mut index = shared.index.lock();
+                for (s, b) in batches.iter().filter(|(s, _)| *s < seq) {
+                    if !matches!(index.apply(slot, *s, b), Applied::InOrder | Applied::Duplicate) {
+                        return false;
+                    }
+                }
+                matches!(index.apply(slot, seq, &batch), Applied::InOrder)
+            });
+            if closed {
+                stream_mut(&shared, key, |s| s.replayed += 1);
+            } else {
+                let mut index = shared.index.lock();
+                index.forget_engine(slot);
+                index.apply(slot, seq, &batch);
+            }
+        }
+        stream_mut(&shared, key, |s| s.batches += 1);
+    }
+}
+
+fn stream_mut(shared: &KvEventsShared, key: u64, f: impl FnOnce(&mut StreamState)) {
+    if let Some((_, s)) = shared.streams.lock().get_mut(&key) {
+        f(s);
+    }
+}
+
+/// Every batch the replay socket at `endpoint` still holds from `start` on, in order;
+/// `None` when it cannot be asked or answers out of shape.
+async fn replay(endpoint: &str, start: u64) -> Option<Vec<(u64, EventBatch)>> {
+    let mut dealer = zeromq::DealerSocket::new();
+    dealer.connect(endpoint).await.ok()?;
+    let ask = ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())]).ok()?;
+    dealer.send(ask).await.ok()?;
+    let mut out = Vec::new();
+    loop {
+        let frames = dealer.recv().await.ok()?.into_vec();
+        let [_empty, seq, payload] = frames.as_slice() else { return None };
+        if payload.is_empty() {
+            return Some(out);
+        }
+        let seq = u64::from_be_bytes(<[u8; 8]>::try_from(seq.as_ref()).ok()?);
+        out.push((seq, decode_batch(payload).ok()?));
+    }
+}
