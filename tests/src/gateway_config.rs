@@ -408,6 +408,7 @@ mod tests {
             .listeners(l, a)
             .backends(["http://127.0.0.1:1", "http://127.0.0.1:2"])
             .backend_serving("http://127.0.0.1:3", &["m"])
+            .backend_with_kv_events("http://127.0.0.1:4", "tcp://127.0.0.1:5", Some("tcp://127.0.0.1:6"))
             .policy("least_load")
             .scrape_source("load")
             .down_after_failures(100)
@@ -419,7 +420,8 @@ mod tests {
         assert_eq!(
             y,
             "listen: 127.0.0.1:1000\nadmin_listen: 127.0.0.1:1001\nthreads: 2\ndiscovery:\n  static:\n    \
-             - url: http://127.0.0.1:1\n    - url: http://127.0.0.1:2\n    - { url: http://127.0.0.1:3, models: [m] }\n\
+             - { url: http://127.0.0.1:1 }\n    - { url: http://127.0.0.1:2 }\n    - { url: http://127.0.0.1:3, models: [m] }\n    \
+             - { url: http://127.0.0.1:4, kv_events: \"tcp://127.0.0.1:5\", kv_events_replay: \"tcp://127.0.0.1:6\" }\n\
              policy: { type: least_load }\nscrape: { source: load, interval_ms: 50, timeout_ms: 500, stale_after_ms: 1000, \
              down_after_failures: 100 }\nauth:\n  keys:\n    - { tenant: a, key_sha256: 00ff, requests_per_second: 0.5, \
              burst: 2 }\ntls:\n  cert_file: a.crt\n  key_file: a.key\n  certs:\n    - { cert_file: b.crt, key_file: b.key }\n\
