@@ -68,6 +68,7 @@ impl AdminApp {
                     "ejections": health.ejections,
                     "last_ejection_reason": health.last_ejection_reason,
                     "restarts_seen": b.restarts.load(Ordering::Relaxed),
+                    "prefill_tokens_per_s": Some(b.prefill_tokens_per_s()).filter(|r| *r > 0.0),
                     "kv_events": self.state.kv_events.as_ref().and_then(|k| k.describe(b.key)),
                 })
             })

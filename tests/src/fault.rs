@@ -24,6 +24,12 @@ pub enum Fault {
     StallMidStream(usize),
     /// Close the connection as soon as the request is read.
     Reset,
+    /// A stream that flushes a role-only chat chunk at once and its first token only after
+    /// `prefill_ms` (what engines do during a long prefill), then a few more tokens.
+    RoleFirst {
+        /// Time from the role chunk to the first token.
+        prefill_ms: u64,
+    },
     /// A healthy stream of `events` events, `gap_ms` apart (a long generation).
     Slow {
         /// Events before `[DONE]`.
@@ -137,6 +143,25 @@ async fn serve(mut stream: TcpStream, fault: Arc<Mutex<Fault>>, seen: Arc<Seen>)
             match now {
                 Fault::Healthy if streamed => sse(&mut stream, 3, 5, &seen).await,
                 Fault::Slow { events, gap_ms } => sse(&mut stream, events, gap_ms, &seen).await,
+                Fault::RoleFirst { prefill_ms } => {
+                    let head =
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+                    let role =
+                        "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n";
+                    let role = format!("{:x}\r\n{role}\r\n", role.len());
+                    if stream.write_all(format!("{head}{role}").as_bytes()).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(prefill_ms)).await;
+                    let mut rest = String::new();
+                    for event in
+                        ["data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\n", "data: [DONE]\n\n"]
+                    {
+                        rest.push_str(&format!("{:x}\r\n{event}\r\n", event.len()));
+                    }
+                    rest.push_str("0\r\n\r\n");
+                    stream.write_all(rest.as_bytes()).await.is_ok()
+                }
                 Fault::Healthy => {
                     let b = r#"{"id":"cmpl-f","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
                     write(&mut stream, 200, "application/json", b).await

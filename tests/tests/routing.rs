@@ -85,3 +85,33 @@ async fn a_long_conversation_stays_on_the_engine_that_cached_it() {
         _ => panic!("not a histogram"),
     }
 }
+
+/// `cost` learns an engine's prefill rate from the first chunk that carries generated
+/// content, not from the first byte (#19): an engine that flushes a role-only chunk at once
+/// and its first token 600 ms later is learned at prompt ÷ ~0.6 s, shown in `/admin/backends`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prefill_rate_is_learned_from_the_first_content_not_the_first_byte() {
+    let engine = FaultEngine::start(Fault::RoleFirst { prefill_ms: 600 }).await;
+    let g = GatewayProc::start(&GatewayConfigBuilder::new().backend_serving(&engine.url(), &["m"]).policy("cost"));
+    wait_scraped(&g, 1).await;
+    // ~2,000 prompt tokens by the gateway's estimate (4 bytes a token), well over the minimum sample.
+    let prompt = "word ".repeat(1600);
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": prompt}], "stream": true});
+    let r = post(g.addr, "/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200);
+    let events = r.events().await;
+    assert!(events.iter().any(|(_, e)| e == "[DONE]"), "{events:?}");
+    let rate = eventually_value(&g).await;
+    // Learned from the first byte it would be ~2,000 tokens in a millisecond or two: ≥ 500,000/s.
+    assert!((1_000.0..=5_000.0).contains(&rate), "learned {rate:.0} tokens/s; ~3,300 expected (2,000 in 0.6 s)");
+}
+
+async fn eventually_value(g: &GatewayProc) -> f64 {
+    let mut rate = None;
+    eventually("a learned prefill rate", async || {
+        rate = backends(g).await["backends"][0]["prefill_tokens_per_s"].as_f64();
+        rate.is_some()
+    })
+    .await;
+    rate.unwrap()
+}

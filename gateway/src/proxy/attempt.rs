@@ -50,17 +50,19 @@ struct Pick {
 }
 
 /// Keeps a backend's in-flight count, and its pending prefill tokens until the first
-/// byte, while a request is on it.
+/// generated content, while a request is on it.
 pub(super) struct InflightGuard<'a> {
     backend: &'a Backend,
     /// This request's uncached prompt tokens, still counted as pending prefill.
     pending: u64,
     /// Prefill work ahead of and including this request at dispatch (for rate learning).
     work: u64,
-    /// Learn the prefill rate from this request's first byte (streams only: a
+    /// Learn the prefill rate from this request's first content (streams only: a
     /// non-streamed response's first byte comes after the whole generation).
     learn: bool,
     dispatched: Instant,
+    /// The prefill is over (the first content arrived).
+    prefilled: bool,
 }
 
 impl<'a> InflightGuard<'a> {
@@ -68,11 +70,20 @@ impl<'a> InflightGuard<'a> {
         backend.inflight.fetch_add(1, Ordering::Relaxed);
         backend.routed.fetch_add(1, Ordering::Relaxed);
         backend.pending_prefill_tokens.fetch_add(pending, Ordering::Relaxed);
-        InflightGuard { backend, pending, work, learn, dispatched: Instant::now() }
+        InflightGuard { backend, pending, work, learn, dispatched: Instant::now(), prefilled: false }
     }
 
-    /// The first response chunk arrived: the prefill is done.
-    pub(super) fn first_byte(&mut self) {
+    /// Whether the first content has arrived.
+    pub(super) fn prefilled(&self) -> bool {
+        self.prefilled
+    }
+
+    /// The first generated content arrived ([`crate::request::ContentDetector`]; for a
+    /// response that is not a stream, its first byte): the prefill is done.
+    pub(super) fn first_content(&mut self) {
+        if std::mem::replace(&mut self.prefilled, true) {
+            return;
+        }
         if self.learn {
             let now = Instant::now();
             self.backend.observe_prefill(self.work, now.duration_since(self.dispatched).as_secs_f64(), now);

@@ -34,6 +34,10 @@ pub(crate) struct RequestCtx {
     pub charged: Option<(u64, u64)>,
     /// What the response used, for settling the charge.
     pub usage: UsageMeter,
+    /// Watches a streamed response for its first generated content (prefill-rate learning).
+    pub content: crate::request::ContentDetector,
+    /// The response is an SSE stream.
+    pub sse: bool,
     /// Cluster positions already tried.
     pub tried: Vec<usize>,
     /// The last failed attempt's error (answered when no attempt is left).
@@ -73,6 +77,8 @@ impl RequestCtx {
             tenant: None,
             charged: None,
             usage: UsageMeter::default(),
+            content: crate::request::ContentDetector::default(),
+            sse: false,
             tried: Vec::new(),
             last_error: None,
             backend: None,

@@ -132,6 +132,7 @@ impl ProxyApp {
             active.cluster.backends[index].record_success();
         }
         let (mut resp, has_length, is_sse) = response_head(upstream)?;
+        ctx.sse = is_sse;
         if let Some(id) = &ctx.request_id {
             let _ = resp.insert_header(crate::http::REQUEST_ID, id.as_str());
         }
@@ -178,8 +179,9 @@ impl ProxyApp {
         false
     }
 
-    /// Write what `buf` holds to the client (the first bytes are the TTFT); false when the
-    /// client is gone.
+    /// Write what `buf` holds to the client (the first bytes are the TTFT metric; the first
+    /// generated content ends the prefill the policy learns from); false when the client is
+    /// gone.
     async fn forward(
         &self,
         s: &mut ServerSession,
@@ -189,8 +191,10 @@ impl ProxyApp {
         ctx: &mut RequestCtx,
         inflight: &mut InflightGuard<'_>,
     ) -> bool {
+        if !inflight.prefilled() && !buf.is_empty() && (!ctx.sse || ctx.content.observe(buf)) {
+            inflight.first_content();
+        }
         if !buf.is_empty() && ctx.ttft.is_none() {
-            inflight.first_byte();
             let t = ctx.started.elapsed();
             ctx.ttft = Some(t);
             self.state.metrics.ttft.with_label_values(&[backend.url.as_str()]).observe(t.as_secs_f64());

@@ -7,6 +7,7 @@
 //! that the body is a JSON object (so malformed input gets a 400 from the gateway instead
 //! of costing an engine a connection).
 
+mod content;
 mod prompt;
 
 use std::fmt;
@@ -17,6 +18,7 @@ use serde_json::value::RawValue;
 
 use crate::error::ProxyError;
 
+pub use content::ContentDetector;
 pub use prompt::canonical_prompt;
 #[cfg(feature = "fuzzing")]
 pub use prompt::canonical_prompt_from_tree;
