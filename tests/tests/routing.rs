@@ -115,3 +115,33 @@ async fn eventually_value(g: &GatewayProc) -> f64 {
     .await;
     rate.unwrap()
 }
+
+/// Two gateway replicas in front of the same idle engines send each prompt to the same
+/// engine (#19): `cost` breaks ties by the request, not by a per-replica RNG. With random
+/// tie-breaks 24 prompts would all agree with probability 2^-24.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_break_ties_alike() {
+    let (e1, e2) = (FaultEngine::start(Fault::Healthy).await, FaultEngine::start(Fault::Healthy).await);
+    let replica = || {
+        GatewayProc::start(
+            &GatewayConfigBuilder::new()
+                .backend_serving(&e1.url(), &["m"])
+                .backend_serving(&e2.url(), &["m"])
+                .policy("cost"),
+        )
+    };
+    let (a, b) = (replica(), replica());
+    wait_scraped(&a, 2).await;
+    wait_scraped(&b, 2).await;
+    let engine_of = |before: usize, after: (usize, usize)| if after.0 > before { 0 } else { 1 };
+    for i in 0..24 {
+        let body = json!({"model": "m", "prompt": format!("prompt number {i} {}", "x".repeat(200))});
+        let mut picks = Vec::new();
+        for g in [&a, &b] {
+            let before = e1.posts();
+            assert_eq!(post(g.addr, "/v1/completions", &body).await.status, 200);
+            picks.push(engine_of(before, (e1.posts(), e2.posts())));
+        }
+        assert_eq!(picks[0], picks[1], "prompt {i}: the replicas disagree");
+    }
+}

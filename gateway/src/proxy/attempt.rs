@@ -187,7 +187,17 @@ impl ProxyApp {
         let policy = &active.policy;
         let input =
             RouteInput { model: &plan.model, prompt_tokens: plan.prompt_tokens, session: plan.session.as_deref() };
-        let decision = policy.select(&input, &candidates, &mut rand::rng());
+        // Policies that read prefixes break ties by the request (its prompt's chained block
+        // hashes), not a per-replica RNG: every gateway replica given the same load and index
+        // sends a prompt to the same engine.
+        let decision = match plan.hashes.last() {
+            Some(&seed) => {
+                use rand::SeedableRng;
+                let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ ctx.tried.len() as u64);
+                policy.select(&input, &candidates, &mut rng)
+            }
+            None => policy.select(&input, &candidates, &mut rand::rng()),
+        };
         self.state.metrics.decisions.with_label_values(&[policy.name(), decision.reason]).inc();
         let chosen = candidates[decision.pick];
         let backend = &active.cluster.backends[chosen.index];

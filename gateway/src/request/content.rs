@@ -25,50 +25,62 @@ impl ContentDetector {
         if self.found {
             return true;
         }
-        self.pending.extend_from_slice(chunk);
-        while let Some(end) = find(&self.pending, b"\n\n") {
-            let event: Vec<u8> = self.pending.drain(..end + 2).collect();
-            if event_has_content(&event) {
+        // Whole events are read in place; only a partial one is kept for the next chunk.
+        let joined;
+        let mut data: &[u8] = if self.pending.is_empty() {
+            chunk
+        } else {
+            self.pending.extend_from_slice(chunk);
+            joined = std::mem::take(&mut self.pending);
+            &joined
+        };
+        while let Some(end) = find(data, b"\n\n") {
+            if event_has_content(&data[..end]) {
                 self.found = true;
-                self.pending = Vec::new();
                 return true;
             }
+            data = &data[end + 2..];
         }
-        if self.pending.len() > MAX_PENDING_BYTES {
+        if data.len() > MAX_PENDING_BYTES {
             self.found = true;
-            self.pending = Vec::new();
+        } else {
+            self.pending = data.to_vec();
         }
         self.found
     }
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
+    memchr::memmem::find(hay, needle)
 }
 
-/// One SSE event (`data: {...}` lines): does a choice carry generated content?
+/// One SSE event (`data: {...}` lines): does a choice carry generated content? Read from the
+/// serialized JSON without parsing it (this runs on every streamed response until its first
+/// token): a key in quotes followed by a colon can only be structural, as quotes inside
+/// strings are escaped.
 fn event_has_content(event: &[u8]) -> bool {
-    let Ok(text) = std::str::from_utf8(event) else { return true };
-    let data: String = text.lines().filter_map(|l| l.strip_prefix("data:")).map(str::trim).collect();
-    if data.is_empty() || data == "[DONE]" {
+    let data = event.strip_prefix(b"data:").unwrap_or(event).trim_ascii();
+    if data.is_empty() || data.starts_with(b"[DONE]") {
         return false;
     }
-    // Not JSON (an engine's own format): count it, as the first byte counted before.
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(&data) else { return true };
-    if v.get("error").is_some() {
+    if !data.starts_with(b"{") {
+        // Not JSON (an engine's own format): count it, as the first byte counted before.
         return true;
     }
-    let Some(choices) = v.get("choices").and_then(|c| c.as_array()) else { return false };
-    choices.iter().any(|c| {
-        let nonempty = |x: Option<&serde_json::Value>| x.and_then(|x| x.as_str()).is_some_and(|s| !s.is_empty());
-        let present = |x: Option<&serde_json::Value>| x.is_some_and(|x| !x.is_null());
-        let delta = c.get("delta");
-        nonempty(c.get("text"))
-            || nonempty(delta.and_then(|d| d.get("content")))
-            || nonempty(delta.and_then(|d| d.get("reasoning_content")))
-            || delta.and_then(|d| d.get("tool_calls")).and_then(|t| t.as_array()).is_some_and(|t| !t.is_empty())
-            || present(c.get("logprobs"))
-    })
+    // Does any occurrence of `key` (a quoted key, then a colon) have a value `ok` accepts?
+    let any = |key: &[u8], ok: &dyn Fn(&[u8]) -> bool| {
+        memchr::memmem::find_iter(data, key).any(|at| {
+            let tail = data[at + key.len()..].trim_ascii_start();
+            tail.strip_prefix(b":").is_some_and(|v| ok(v.trim_ascii_start()))
+        })
+    };
+    let nonempty_string = |v: &[u8]| v.len() > 1 && v[0] == b'"' && v[1] != b'"';
+    any(b"\"content\"", &nonempty_string)
+        || any(b"\"text\"", &nonempty_string)
+        || any(b"\"reasoning_content\"", &nonempty_string)
+        || any(b"\"tool_calls\"", &|v| v.starts_with(b"[") && !v[1..].trim_ascii_start().starts_with(b"]"))
+        || any(b"\"logprobs\"", &|v| !v.starts_with(b"null"))
+        || any(b"\"error\"", &|v| v.starts_with(b"{"))
 }
 
 #[cfg(test)]
@@ -95,11 +107,19 @@ mod tests {
             r#"{"choices":[{"index":0,"delta":{"reasoning_content":"hmm"}}]}"#,
             r#"{"choices":[{"index":0,"delta":{},"logprobs":{"content":[]}}]}"#,
             r#"{"error":{"message":"boom"}}"#,
+            r#"{"choices": [{"index": 0, "delta": {"content": "spaced"}}]}"#,
         ] {
             let mut d = ContentDetector::default();
             assert!(d.observe(format!("data: {event}\n\n").as_bytes()), "{event}");
         }
-        for event in [r#"{"choices":[{"index":0,"text":""}]}"#, r#"{"choices":[]}"#, "[DONE]"] {
+        for event in [
+            r#"{"choices":[{"index":0,"text":""}]}"#,
+            r#"{"choices":[]}"#,
+            "[DONE]",
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant","tool_calls":[]},"logprobs":null}]}"#,
+            // A key-like text inside a string is escaped: not structural.
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant","name":"a \"content\":\"x\""}}]}"#,
+        ] {
             let mut d = ContentDetector::default();
             assert!(!d.observe(format!("data: {event}\n\n").as_bytes()), "{event}");
         }
@@ -110,6 +130,6 @@ mod tests {
         let mut d = ContentDetector::default();
         let big = vec![b'a'; MAX_PENDING_BYTES + 1];
         assert!(d.observe(&big));
-        assert!(d.pending.capacity() == 0);
+        assert!(d.pending.is_empty());
     }
 }
