@@ -58,6 +58,12 @@ pub struct GatewayMetrics {
     pub idle_connections_closed: IntCounter,
     /// Request body bytes buffered now, process-wide (`limits.max_buffered_body_bytes`).
     pub buffered_body_bytes: IntGauge,
+    /// KV-event batches applied, by backend.
+    pub kv_event_batches: IntCounterVec,
+    /// KV-event sequence gaps, by backend and outcome (`replayed`, `forgotten`).
+    pub kv_event_gaps: IntCounterVec,
+    /// Bytes the precise KV index charges.
+    pub kv_index_bytes: IntGauge,
     inflight: IntGaugeVec,
     waiting: GaugeVec,
     kv_usage: GaugeVec,
@@ -137,6 +143,21 @@ impl GatewayMetrics {
                 "switchyard_idle_connections_closed_total",
                 "HTTP/1 keep-alive connections closed after limits.idle_connection_timeout_ms without a request.",
             )?,
+            kv_event_batches: IntCounterVec::new(
+                Opts::new("switchyard_kv_events_batches_total", "Engine KV-event batches applied to the index."),
+                &["backend"],
+            )?,
+            kv_event_gaps: IntCounterVec::new(
+                Opts::new(
+                    "switchyard_kv_events_gaps_total",
+                    "Sequence gaps in an engine's KV events: closed by a replay, or the engine's entries forgotten.",
+                ),
+                &["backend", "outcome"],
+            )?,
+            kv_index_bytes: IntGauge::new(
+                "switchyard_kv_index_bytes",
+                "Memory charged by the precise KV index (kv_events.max_bytes bounds it).",
+            )?,
             buffered_body_bytes: IntGauge::new(
                 "switchyard_buffered_body_bytes",
                 "Request body bytes held by the gateway now (limits.max_buffered_body_bytes caps it).",
@@ -171,6 +192,9 @@ impl GatewayMetrics {
         m.registry.register(Box::new(m.connections_refused.clone()))?;
         m.registry.register(Box::new(m.idle_connections_closed.clone()))?;
         m.registry.register(Box::new(m.buffered_body_bytes.clone()))?;
+        m.registry.register(Box::new(m.kv_event_batches.clone()))?;
+        m.registry.register(Box::new(m.kv_event_gaps.clone()))?;
+        m.registry.register(Box::new(m.kv_index_bytes.clone()))?;
         m.registry.register(Box::new(m.certificate_reloads.clone()))?;
         m.registry.register(Box::new(m.prefix_match_ratio.clone()))?;
         m.registry.register(Box::new(m.prefix_index_bytes.clone()))?;

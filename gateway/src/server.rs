@@ -144,7 +144,8 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
         server.add_service(background_service("kubernetes-discovery", service));
     }
     if let Some(shared) = state.kv_events.clone() {
-        let service = crate::kv_events::subscriber::KvEventsService::new(state.active.clone(), shared);
+        let service =
+            crate::kv_events::subscriber::KvEventsService::new(state.active.clone(), shared, state.metrics.clone());
         server.add_service(background_service("kv-events", service));
     }
     let drain = {

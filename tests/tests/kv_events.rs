@@ -241,4 +241,56 @@ async fn the_gateway_indexes_an_engines_events_and_replays_gaps() {
     let state = kv().await;
     // 11, 12 stored; 13 stored (replayed); 11 removed (replayed); 21 stored.
     assert_eq!((&state["held_blocks"], &state["gaps"], &state["resets"]), (&json!(3), &json!(1), &json!(0)), "{state}");
+    wait_for_metrics(g.admin, PATIENCE, "the index's memory is reported", |m| {
+        metric(m, "switchyard_kv_index_bytes") > 0.0
+    })
+    .await;
+    let m = scrape(g.admin).await;
+    assert_eq!(metric_where(&m, "switchyard_kv_events_gaps_total", "outcome", "replayed"), 1.0);
+    assert!(metric(&m, "switchyard_kv_events_batches_total") >= 3.0, "each message received counts");
+}
+
+/// Without a replay socket a gap cannot be closed: the engine's entries are forgotten (stale
+/// ones would route wrongly) and re-learned from the next batches (#19).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_replay_socket_a_gap_forgets_the_engine() {
+    use switchyard_engine::kv::{encode_batch, KvEvent};
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let mut publisher = zeromq::PubSocket::new();
+    let pub_endpoint = publisher.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let g = GatewayProc::start(
+        &GatewayConfigBuilder::new()
+            .backend_with_kv_events(&engine.url(), &pub_endpoint, None)
+            .section("kv_events", "{ block_size: 4 }"),
+    );
+    let stored = |hash: u64, first_token: u32| KvEvent::BlockStored {
+        block_hashes: vec![hash],
+        parent_block_hash: None,
+        token_ids: (first_token..first_token + 4).collect(),
+        block_size: 4,
+    };
+    let message = |seq: u64, events: &[KvEvent]| {
+        let payload = encode_batch(seq as f64 + 1.0, events, 0);
+        ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&seq.to_be_bytes()), Bytes::from(payload)])
+            .unwrap()
+    };
+    let kv = async || backends(&g).await["backends"][0]["kv_events"].clone();
+    let mut seq = 0u64;
+    while kv().await["receiving"] != true {
+        publisher.send(message(seq, &[])).await.unwrap();
+        seq += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(seq < 400, "the gateway never received a batch");
+    }
+    publisher.send(message(seq, &[stored(1, 0), stored(2, 100)])).await.unwrap();
+    eventually("two blocks held", async || kv().await["held_blocks"] == 2).await;
+    // seq + 1 is lost; seq + 2 arrives.
+    publisher.send(message(seq + 2, &[stored(3, 200)])).await.unwrap();
+    eventually("the engine forgotten, then re-learned", async || {
+        let s = kv().await;
+        s["resets"] == 1 && s["held_blocks"] == 1 && s["last_seq"] == seq + 2
+    })
+    .await;
+    let m = scrape(g.admin).await;
+    assert_eq!(metric_where(&m, "switchyard_kv_events_gaps_total", "outcome", "forgotten"), 1.0);
 }

@@ -24,6 +24,7 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use super::index::{Applied, EngineSlot, KvIndex, MAX_ENGINES};
 use super::wire::{decode_batch, EventBatch};
+use crate::metrics::GatewayMetrics;
 use crate::state::Active;
 
 /// How often the set of engines is compared with the subscriptions.
@@ -91,16 +92,17 @@ impl KvEventsShared {
 pub struct KvEventsService {
     active: Arc<ArcSwap<Active>>,
     shared: Arc<KvEventsShared>,
+    metrics: GatewayMetrics,
 }
 
 impl KvEventsService {
-    /// Subscribe to the engines `active` lists, feeding `shared`.
-    pub fn new(active: Arc<ArcSwap<Active>>, shared: Arc<KvEventsShared>) -> Self {
-        KvEventsService { active, shared }
+    /// Subscribe to the engines `active` lists, feeding `shared`, counting in `metrics`.
+    pub fn new(active: Arc<ArcSwap<Active>>, shared: Arc<KvEventsShared>, metrics: GatewayMetrics) -> Self {
+        KvEventsService { active, shared, metrics }
     }
 
-    /// Each backend's (PUB, replay) endpoints, by backend key.
-    fn wanted(&self) -> HashMap<u64, (String, Option<String>)> {
+    /// Each backend's (PUB, replay) endpoints and URL, by backend key.
+    fn wanted(&self) -> HashMap<u64, (String, Option<String>, String)> {
         let active = self.active.load();
         let cfg = &active.config;
         let Some(kv) = &cfg.kv_events else { return HashMap::new() };
@@ -108,11 +110,14 @@ impl KvEventsService {
         for b in &active.cluster.backends {
             let configured = cfg.discovery.static_backends.iter().find(|s| s.url.trim_end_matches('/') == b.url);
             let endpoints = match configured.and_then(|s| s.kv_events.clone()) {
-                Some(pub_endpoint) => Some((pub_endpoint, configured.and_then(|s| s.kv_events_replay.clone()))),
+                Some(pub_endpoint) => {
+                    Some((pub_endpoint, configured.and_then(|s| s.kv_events_replay.clone()), b.url.clone()))
+                }
                 None => match (b.addr, kv.port) {
                     (Some(addr), Some(port)) => Some((
                         format!("tcp://{}", std::net::SocketAddr::new(addr.ip(), port)),
                         kv.replay_port.map(|p| format!("tcp://{}", std::net::SocketAddr::new(addr.ip(), p))),
+                        b.url.clone(),
                     )),
                     _ => None,
                 },
@@ -128,7 +133,7 @@ impl KvEventsService {
 #[async_trait]
 impl BackgroundService for KvEventsService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let mut tasks: HashMap<u64, ((String, Option<String>), tokio::task::JoinHandle<()>)> = HashMap::new();
+        let mut tasks: HashMap<u64, ((String, Option<String>, String), tokio::task::JoinHandle<()>)> = HashMap::new();
         loop {
             let wanted = self.wanted();
             // Engines gone, or whose endpoints changed: stop, forget, free the slot.
@@ -163,7 +168,8 @@ impl BackgroundService for KvEventsService {
                     streams.insert(key, (slot, state));
                     slot
                 };
-                let task = tokio::spawn(subscribe(self.shared.clone(), key, slot, endpoints.clone()));
+                let counters = Counters { metrics: self.metrics.clone(), backend: endpoints.2.clone() };
+                let task = tokio::spawn(subscribe(self.shared.clone(), key, slot, endpoints.clone(), counters));
                 tasks.insert(key, (endpoints, task));
             }
             tokio::select! {
@@ -175,13 +181,27 @@ impl BackgroundService for KvEventsService {
                 }
                 _ = tokio::time::sleep(RESYNC) => {}
             }
+            self.metrics.kv_index_bytes.set(self.shared.index.lock().charged_bytes() as i64);
         }
     }
 }
 
+/// One engine's counters.
+struct Counters {
+    metrics: GatewayMetrics,
+    backend: String,
+}
+
 /// Follow one engine's stream until aborted.
-async fn subscribe(shared: Arc<KvEventsShared>, key: u64, slot: EngineSlot, endpoints: (String, Option<String>)) {
-    let (pub_endpoint, replay_endpoint) = endpoints;
+async fn subscribe(
+    shared: Arc<KvEventsShared>,
+    key: u64,
+    slot: EngineSlot,
+    endpoints: (String, Option<String>, String),
+    counters: Counters,
+) {
+    let (pub_endpoint, replay_endpoint, _) = endpoints;
+    let gaps = |outcome: &str| counters.metrics.kv_event_gaps.with_label_values(&[counters.backend.as_str(), outcome]);
     let mut sub = zeromq::SubSocket::new();
     // ZMQ reconnects by itself once connected; the first connect may find nobody listening.
     loop {
@@ -230,13 +250,16 @@ async fn subscribe(shared: Arc<KvEventsShared>, key: u64, slot: EngineSlot, endp
             });
             if closed {
                 stream_mut(&shared, key, |s| s.replayed += 1);
+                gaps("replayed").inc();
             } else {
+                gaps("forgotten").inc();
                 let mut index = shared.index.lock();
                 index.forget_engine(slot);
                 index.apply(slot, seq, &batch);
             }
         }
         stream_mut(&shared, key, |s| s.batches += 1);
+        counters.metrics.kv_event_batches.with_label_values(&[counters.backend.as_str()]).inc();
     }
 }
 
