@@ -218,7 +218,15 @@ async fn subscribe(
         return;
     }
     loop {
-        let Ok(message) = sub.recv().await else { continue };
+        let message = match sub.recv().await {
+            Ok(m) => m,
+            Err(e) => {
+                // Not expected while connected (ZMQ reconnects by itself); never spin on it.
+                tracing::debug!(endpoint = %pub_endpoint, error = %e, "KV events: receive failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
         let frames = message.into_vec();
         let decoded = match frames.as_slice() {
             [_topic, seq, payload] => <[u8; 8]>::try_from(seq.as_ref())
