@@ -92,52 +92,23 @@ async fn the_engine_publishes_and_replays_kv_events_as_vllm_does() {
 /// evictions and preemptions, and after a restart (#19).
 #[test]
 fn the_engines_events_rebuild_its_cache_in_the_gateways_index() {
-    use std::collections::{HashMap, HashSet};
-    use switchyard_engine::kv::{encode_batch, BlockPool, ComputedBlocks, KvCacheManager};
+    use std::collections::HashSet;
+    use switchyard_engine::kv::workload::RandomWorkload;
+    use switchyard_engine::kv::{encode_batch, BlockPool, KvCacheManager};
     use switchyard_gateway::kv_events::index::{Applied, KvIndex};
     use switchyard_gateway::kv_events::wire::decode_batch;
 
     let bs = 16;
     let mut ix = KvIndex::new(bs, 1 << 30);
-    let mut rng = 11u64;
-    let mut next = |n: u64| {
-        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (rng >> 33) % n
-    };
     let mut ts = 1.0;
     for life in 0..2 {
         // A fresh engine process: its sequence starts at 0 again, later in time.
         let mut m = KvCacheManager::new(BlockPool::new(40, bs, true));
         m.enable_events();
-        let mut live: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut workload = RandomWorkload::new(11 + life, 4, 100, 20);
         let mut seq = 0u64;
         for step in 0..3000u64 {
-            let id = next(8);
-            match (live.get_mut(&id), next(4)) {
-                (None, _) => {
-                    let family = next(4) as u32 * 10_000;
-                    let tokens: Vec<u32> = (0..1 + next(100) as u32).map(|t| family + t).collect();
-                    let hit = m.get_computed_blocks(id, &tokens);
-                    if m.allocate_slots(id, tokens.len(), &hit).is_ok() {
-                        m.cache_full_blocks(id, &tokens, tokens.len());
-                        live.insert(id, tokens);
-                    } else {
-                        m.free_block_hashes(id);
-                    }
-                }
-                (Some(tokens), 0 | 1) => {
-                    tokens.extend((0..1 + next(20) as u32).map(|t| 500_000 + step as u32 * 32 + t));
-                    if m.allocate_slots(id, tokens.len(), &ComputedBlocks::default()).is_ok() {
-                        m.cache_full_blocks(id, tokens, tokens.len());
-                    }
-                }
-                // Finished or preempted: the blocks go back, cached ones stay hittable.
-                (Some(_), _) => {
-                    m.free(id);
-                    m.free_block_hashes(id);
-                    live.remove(&id);
-                }
-            }
+            workload.step(&mut m, step);
             let events = m.take_events();
             if !events.is_empty() {
                 ts += 1.0;

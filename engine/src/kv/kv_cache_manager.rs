@@ -317,38 +317,9 @@ mod tests {
         m.enable_events();
         let (mut replica, mut seen): (HashSet<u64>, HashSet<u64>) = (HashSet::new(), HashSet::new());
         let (mut stored, mut removed) = (0, 0);
-        let mut rng = 7u64;
-        let mut next = |n: u64| {
-            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (rng >> 33) % n
-        };
-        let mut live: HashMap<RequestId, Vec<TokenId>> = HashMap::new();
+        let mut workload = super::super::workload::RandomWorkload::new(7, 3, 24, 1);
         for step in 0..20_000u64 {
-            let id = next(8);
-            match (live.get_mut(&id), next(4)) {
-                (None, _) => {
-                    let family = next(3) as u32 * 1000;
-                    let tokens: Vec<_> = (0..1 + next(24) as u32).map(|t| family + t).collect();
-                    let hit = m.get_computed_blocks(id, &tokens);
-                    if m.allocate_slots(id, tokens.len(), &hit).is_ok() {
-                        m.cache_full_blocks(id, &tokens, tokens.len());
-                        live.insert(id, tokens);
-                    } else {
-                        m.free_block_hashes(id);
-                    }
-                }
-                (Some(tokens), 0 | 1) => {
-                    tokens.push(step as u32);
-                    if m.allocate_slots(id, tokens.len(), &ComputedBlocks::default()).is_ok() {
-                        m.cache_full_blocks(id, tokens, tokens.len());
-                    }
-                }
-                (Some(_), _) => {
-                    m.free(id);
-                    m.free_block_hashes(id);
-                    live.remove(&id);
-                }
-            }
+            workload.step(&mut m, step);
             for event in m.take_events() {
                 match event {
                     KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size } => {

@@ -6,6 +6,7 @@
 pub mod block_pool;
 pub mod events;
 pub mod kv_cache_manager;
+pub mod workload;
 
 pub use block_pool::{extend_block_hashes, hash_block, BlockHash, BlockId, BlockPool, PoolExhausted};
 pub use events::{encode_batch, KvEvent};
