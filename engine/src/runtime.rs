@@ -29,8 +29,14 @@ use crate::scheduler::{Request, RequestId, SamplingParams};
 use crate::tokenizer::TokenId;
 
 enum Command {
-    Add { req: Box<Request>, arrival: Instant, events: UnboundedSender<Event> },
+    Add {
+        req: Box<Request>,
+        arrival: Instant,
+        events: UnboundedSender<Event>,
+    },
     Abort(RequestId),
+    /// Forget the prefix cache; the answer is the pool's (`Err`: blocks still held).
+    ResetPrefixCache(tokio::sync::oneshot::Sender<Result<(), usize>>),
 }
 
 /// Cloneable sender side of the runtime.
@@ -85,6 +91,14 @@ impl EngineHandle {
         self.tx.send(Command::Add { req, arrival, events: etx }).map_err(|_| EngineStopped)?;
         Ok(RequestStream { id, rx: erx, abort: Some(self.tx.clone()) })
     }
+
+    /// Forget the prefix cache (vLLM's `reset_prefix_cache`): `Ok(Err(n))` while `n` blocks
+    /// are still held by requests.
+    pub async fn reset_prefix_cache(&self) -> Result<Result<(), usize>, EngineStopped> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.tx.send(Command::ResetPrefixCache(tx)).map_err(|_| EngineStopped)?;
+        rx.await.map_err(|_| EngineStopped)
+    }
 }
 
 struct Sink {
@@ -128,6 +142,8 @@ struct Shell {
     output: OutputProcessor,
     sinks: HashMap<RequestId, Sink>,
     metrics: EngineMetrics,
+    /// Where KV events go, when published.
+    kv_events: Option<crate::kv_events::KvEventSink>,
 }
 
 fn run(
@@ -137,7 +153,7 @@ fn run(
     rx: mpsc::Receiver<Command>,
     kv_events: Option<crate::kv_events::KvEventSink>,
 ) -> Result<(), BackendFailure> {
-    let mut shell = Shell { output, sinks: HashMap::new(), metrics };
+    let mut shell = Shell { output, sinks: HashMap::new(), metrics, kv_events };
     loop {
         if core.scheduler.is_idle() {
             publish(&core, &mut shell.metrics);
@@ -165,7 +181,7 @@ fn run(
                 thread::sleep(deadline - now);
             }
         }
-        if let Some(sink) = &kv_events {
+        if let Some(sink) = &shell.kv_events {
             sink.publish(step.kv_events);
         }
         let processed = shell.output.process(step.outputs);
@@ -196,6 +212,13 @@ impl Shell {
                 }
                 self.output.abort(id);
                 self.sinks.remove(&id);
+            }
+            Command::ResetPrefixCache(reply) => {
+                let _ = reply.send(core.scheduler.reset_prefix_cache());
+                // The reset is a batch of its own (`AllBlocksCleared`), as in vLLM.
+                if let Some(sink) = &self.kv_events {
+                    sink.publish(core.scheduler.take_kv_events());
+                }
             }
         }
     }

@@ -85,6 +85,17 @@ async fn the_engine_publishes_and_replays_kv_events_as_vllm_does() {
     eprintln!("{} blocks stored by the fresh prompt; replayed sequences {replayed:?}", hashes.len());
     let m = scrape(engine.addr).await;
     assert_eq!(metric(&m, "switchyard:kv_events_dropped_total"), 0.0);
+
+    // vLLM's admin route: the cache reset is published as AllBlocksCleared, a batch of its own.
+    assert_eq!(send(engine.addr, "POST", "/reset_prefix_cache", "").await.status, 200);
+    loop {
+        let (_, batch) = next_batch(&mut sub).await;
+        let events = batch[1].as_array().unwrap();
+        if events.iter().any(|e| e["type"] == "AllBlocksCleared") {
+            assert_eq!(batch[1], json!([{"type": "AllBlocksCleared"}]), "a batch of its own");
+            break;
+        }
+    }
 }
 
 /// The engine's KV events, through the bytes it publishes, rebuild in the gateway's index

@@ -230,6 +230,20 @@ impl BlockPool {
         }
     }
 
+    /// Forget every cached hash (vLLM's `reset_prefix_cache`): only while no block is held
+    /// (a held block's hash may be in use by its request); `Err` with the held count otherwise.
+    pub fn reset_prefix_cache(&mut self) -> Result<(), usize> {
+        let held = self.blocks.len() - self.num_free;
+        if held > 0 {
+            return Err(held);
+        }
+        self.cached.clear();
+        for meta in &mut self.blocks {
+            meta.hash = None;
+        }
+        Ok(())
+    }
+
     /// Record the hashes [`allocate`](Self::allocate) evicts from now on (KV events).
     pub fn record_evictions(&mut self) {
         self.evicted.get_or_insert_with(Vec::new);

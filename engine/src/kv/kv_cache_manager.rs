@@ -78,6 +78,17 @@ impl KvCacheManager {
         self.events.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
+    /// Forget the whole prefix cache (vLLM's `reset_prefix_cache`), recorded as
+    /// `AllBlocksCleared`; refused (`Err` with the blocks held) while requests hold blocks.
+    pub fn reset_prefix_cache(&mut self) -> Result<(), usize> {
+        self.pool.reset_prefix_cache()?;
+        self.note_evictions();
+        if let Some(events) = &mut self.events {
+            events.push(KvEvent::AllBlocksCleared);
+        }
+        Ok(())
+    }
+
     /// Move the pool's evictions into the event log, as one `BlockRemoved`.
     fn note_evictions(&mut self) {
         let evicted = self.pool.take_evicted();
@@ -352,6 +363,24 @@ mod tests {
             assert_eq!(replica, cached, "step {step}");
         }
         assert!(stored > 1000 && removed > 500, "the run exercised the cache: {stored} stored, {removed} removed");
+    }
+
+    #[test]
+    fn a_reset_clears_the_cache_once_nothing_is_held_and_says_so() {
+        let mut m = KvCacheManager::new(BlockPool::new(4, 2, true));
+        m.enable_events();
+        let tokens = toks(4, 100);
+        m.allocate_slots(1, 4, &ComputedBlocks::default()).unwrap();
+        m.cache_full_blocks(1, &tokens, 4);
+        assert_eq!(m.reset_prefix_cache(), Err(2), "refused while a request holds blocks");
+        m.free(1);
+        m.free_block_hashes(1);
+        let _ = m.take_events();
+        m.reset_prefix_cache().unwrap();
+        assert_eq!(m.take_events(), vec![KvEvent::AllBlocksCleared]);
+        assert_eq!(m.pool().cached_hashes().count(), 0);
+        assert!(m.get_computed_blocks(2, &tokens).blocks.is_empty(), "no hit after the reset");
+        m.pool().check_invariants().unwrap();
     }
 
     #[test]

@@ -225,6 +225,12 @@ impl Scheduler {
         self.kv.enable_events();
     }
 
+    /// Forget the prefix cache (`POST /reset_prefix_cache`); refused while requests hold
+    /// blocks (`Err` with how many).
+    pub fn reset_prefix_cache(&mut self) -> Result<(), usize> {
+        self.kv.reset_prefix_cache()
+    }
+
     /// The KV events since the last call (empty unless enabled).
     pub fn take_kv_events(&mut self) -> Vec<crate::kv::KvEvent> {
         self.kv.take_events()

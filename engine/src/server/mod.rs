@@ -93,6 +93,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/metrics", get(metrics))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .fallback(|| async {
             let err = ApiError::InvalidRequest { param: None, message: "no such route".into() };
             (StatusCode::NOT_FOUND, Json(err.body()))
@@ -105,6 +106,20 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
     match st.failed.borrow().clone() {
         None => StatusCode::OK.into_response(),
         Some(reason) => (StatusCode::SERVICE_UNAVAILABLE, reason).into_response(),
+    }
+}
+
+/// `POST /reset_prefix_cache` (vLLM's admin route): forget every cached prefix — refused
+/// with 409 while requests hold KV blocks — and publish `AllBlocksCleared`.
+async fn reset_prefix_cache(State(st): State<Arc<AppState>>) -> Response {
+    match st.engine.reset_prefix_cache().await {
+        Ok(Ok(())) => StatusCode::OK.into_response(),
+        Ok(Err(held)) => {
+            let message = format!("the prefix cache cannot be reset while requests hold {held} KV blocks");
+            let err = ApiError::InvalidRequest { param: None, message };
+            (StatusCode::CONFLICT, Json(err.body())).into_response()
+        }
+        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped").into_response(),
     }
 }
 
