@@ -47,8 +47,16 @@ async fn get(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
 }
 
 struct Engine {
-    _child: Child,
+    child: Child,
     addr: SocketAddr,
+}
+
+impl Engine {
+    /// Kill the engine and wait until it is gone (its port closed), so that a finished run
+    /// leaves nothing behind.
+    async fn stop(mut self) {
+        let _ = self.child.kill().await;
+    }
 }
 
 async fn start_engine(c: &ClusterArgs) -> anyhow::Result<Engine> {
@@ -66,7 +74,7 @@ async fn start_engine(c: &ClusterArgs) -> anyhow::Result<Engine> {
         .context("engine exited before listening")?;
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     let addr = first.trim().strip_prefix("listening on http://").context("unexpected engine output")?.parse()?;
-    Ok(Engine { _child: child, addr })
+    Ok(Engine { child, addr })
 }
 
 /// Sum of every sample named `name`.
@@ -201,6 +209,8 @@ pub async fn run_cluster(c: &ClusterArgs, mut run: RunArgs) -> anyhow::Result<()
         _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted; the cluster was torn down")),
     };
     poller.abort();
-    drop(engines);
+    for engine in engines {
+        engine.stop().await;
+    }
     result
 }
