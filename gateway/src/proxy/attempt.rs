@@ -70,7 +70,11 @@ impl<'a> InflightGuard<'a> {
         backend.inflight.fetch_add(1, Ordering::Relaxed);
         backend.routed.fetch_add(1, Ordering::Relaxed);
         backend.pending_prefill_tokens.fetch_add(pending, Ordering::Relaxed);
-        InflightGuard { backend, pending, work, learn, dispatched: Instant::now(), prefilled: false }
+        // Nothing waits on the first content when there is no pending prefill to release and
+        // no sample to learn from (`observe_prefill` skips small ones): the response is then
+        // not scanned for it.
+        let prefilled = pending == 0 && (!learn || work < crate::cluster::MIN_SAMPLE_TOKENS);
+        InflightGuard { backend, pending, work, learn, dispatched: Instant::now(), prefilled }
     }
 
     /// Whether the first content has arrived.
