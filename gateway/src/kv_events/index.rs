@@ -224,14 +224,21 @@ impl KvIndex {
     /// Count `keys` as just used (the prefix a request was routed on): they are evicted last.
     pub fn touch(&mut self, keys: &[BlockKey]) {
         for &key in keys {
-            self.tick += 1;
-            let tick = self.tick;
-            if let Some(e) = self.blocks.get_mut(&key) {
-                self.lru.remove(&e.tick);
-                e.tick = tick;
-                self.lru.insert(tick, key);
-            }
+            self.bump(key, 0);
         }
+    }
+
+    /// Make `key` the most recently used, adding the holders in `bits`; false when the
+    /// index has no entry for it.
+    fn bump(&mut self, key: BlockKey, bits: u64) -> bool {
+        self.tick += 1;
+        let tick = self.tick;
+        let Some(e) = self.blocks.get_mut(&key) else { return false };
+        self.lru.remove(&e.tick);
+        e.holders |= bits;
+        e.tick = tick;
+        self.lru.insert(tick, key);
+        true
     }
 
     fn engine(&mut self, slot: EngineSlot) -> &mut Engine {
@@ -284,19 +291,10 @@ impl KvIndex {
     }
 
     fn hold(&mut self, key: BlockKey, bit: u64) {
-        self.tick += 1;
-        let tick = self.tick;
-        match self.blocks.get_mut(&key) {
-            Some(e) => {
-                self.lru.remove(&e.tick);
-                e.holders |= bit;
-                e.tick = tick;
-            }
-            None => {
-                self.blocks.insert(key, Entry { holders: bit, tick });
-            }
+        if !self.bump(key, bit) {
+            self.blocks.insert(key, Entry { holders: bit, tick: self.tick });
+            self.lru.insert(self.tick, key);
         }
-        self.lru.insert(tick, key);
     }
 
     fn unhold(&mut self, key: BlockKey, bit: u64) {
