@@ -84,6 +84,20 @@ pub async fn h2c_connect(
     (sender, tokio::spawn(conn))
 }
 
+/// Read from `s` (what the server sends is dropped) until the server closes it: how long that
+/// took from `since`, or `None` when it stayed open for [`PATIENCE`].
+pub async fn closed_after(s: &mut (impl tokio::io::AsyncRead + Unpin), since: Instant) -> Option<Duration> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 1024];
+    loop {
+        match tokio::time::timeout(PATIENCE, s.read(&mut buf)).await {
+            Ok(Ok(0) | Err(_)) => return Some(since.elapsed()),
+            Ok(Ok(_)) => {}
+            Err(_) => return None,
+        }
+    }
+}
+
 /// POST a JSON body.
 pub async fn post(addr: SocketAddr, path: &str, body: &serde_json::Value) -> Resp {
     send(addr, "POST", path, body.to_string()).await

@@ -148,8 +148,7 @@ async fn serve(mut stream: TcpStream, fault: Arc<Mutex<Fault>>, seen: Arc<Seen>)
                         "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
                     let role =
                         "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n";
-                    let role = format!("{:x}\r\n{role}\r\n", role.len());
-                    if stream.write_all(format!("{head}{role}").as_bytes()).await.is_err() {
+                    if stream.write_all(format!("{head}{}", chunk(role)).as_bytes()).await.is_err() {
                         return;
                     }
                     tokio::time::sleep(Duration::from_millis(prefill_ms)).await;
@@ -157,7 +156,7 @@ async fn serve(mut stream: TcpStream, fault: Arc<Mutex<Fault>>, seen: Arc<Seen>)
                     for event in
                         ["data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\n", "data: [DONE]\n\n"]
                     {
-                        rest.push_str(&format!("{:x}\r\n{event}\r\n", event.len()));
+                        rest.push_str(&chunk(event));
                     }
                     rest.push_str("0\r\n\r\n");
                     stream.write_all(rest.as_bytes()).await.is_ok()
@@ -238,8 +237,7 @@ async fn sse_events(stream: &mut TcpStream, n: usize, gap_ms: u64) -> bool {
     }
     for i in 0..n {
         let event = format!("data: {{\"choices\":[{{\"index\":0,\"text\":\"t{i}\"}}]}}\n\n");
-        let chunk = format!("{:x}\r\n{event}\r\n", event.len());
-        if stream.write_all(chunk.as_bytes()).await.is_err() {
+        if stream.write_all(chunk(&event).as_bytes()).await.is_err() {
             return false;
         }
         tokio::time::sleep(Duration::from_millis(gap_ms)).await;
@@ -247,10 +245,14 @@ async fn sse_events(stream: &mut TcpStream, n: usize, gap_ms: u64) -> bool {
     true
 }
 
+/// `data` as one HTTP/1.1 chunk.
+fn chunk(data: &str) -> String {
+    format!("{:x}\r\n{data}\r\n", data.len())
+}
+
 /// `n` events and `[DONE]`; a write failing on the way is counted in `streams_cut`.
 async fn sse(stream: &mut TcpStream, n: usize, gap_ms: u64, seen: &Seen) -> bool {
-    let done = "data: [DONE]\n\n";
-    let tail = format!("{:x}\r\n{done}\r\n0\r\n\r\n", done.len());
+    let tail = format!("{}0\r\n\r\n", chunk("data: [DONE]\n\n"));
     let whole = sse_events(stream, n, gap_ms).await && stream.write_all(tail.as_bytes()).await.is_ok();
     if !whole {
         seen.streams_cut.fetch_add(1, Ordering::SeqCst);

@@ -663,20 +663,6 @@ async fn engines_never_see_the_edges_credentials_and_learn_where_requests_came_f
         .await;
 }
 
-/// Read from `s` until the server closes it: how long that took from `since`, or `None`
-/// when it stayed open for [`PATIENCE`].
-async fn closed_after(s: &mut (impl tokio::io::AsyncRead + Unpin), since: Instant) -> Option<Duration> {
-    use tokio::io::AsyncReadExt;
-    let mut buf = [0u8; 1024];
-    loop {
-        match tokio::time::timeout(PATIENCE, s.read(&mut buf)).await {
-            Ok(Ok(0) | Err(_)) => return Some(since.elapsed()),
-            Ok(Ok(_)) => {}
-            Err(_) => return None,
-        }
-    }
-}
-
 /// One `GET /-/healthz` on a kept-alive HTTP/1.1 connection; true when it was answered 200.
 async fn healthz_on(s: &mut tokio::net::TcpStream) -> bool {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
