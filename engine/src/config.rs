@@ -43,6 +43,11 @@ pub struct EngineArgs {
     /// GPU + model the sim backend models (see `engine/README.md`).
     #[arg(long, default_value = "h100-llama3-8b")]
     pub sim_profile: String,
+    /// sim: tokenize and render chats with this model's tokenizer (a `.gguf` file, a
+    /// `tokenizer.json`, or a Hugging Face directory) instead of the simulator's own, so a
+    /// simulated engine caches and publishes the token ids a real one would.
+    #[arg(long)]
+    pub tokenizer: Option<std::path::PathBuf>,
     /// Tensor-parallel degree: ranks that each hold 1/N of every layer and meet in two
     /// all-reduces per layer (sim: the profile's GPU count; cpu: rank threads sharing
     /// --threads).
@@ -118,6 +123,8 @@ pub struct EngineConfig {
     pub seed: u64,
     /// cpu: the model file (`--model`, default: the fetched SmolLM2-135M-Instruct).
     pub model_path: std::path::PathBuf,
+    /// sim: a real model's tokenizer to use instead of the simulator's (`--tokenizer`).
+    pub tokenizer_path: Option<std::path::PathBuf>,
     /// cpu: KV cache bytes.
     pub kv_cache_bytes: usize,
     /// cpu: compute threads.
@@ -208,6 +215,9 @@ impl EngineConfig {
             _ => crate::model::default_model_path(),
         };
         let tensor_parallel_size = profile.tp;
+        if let (BackendKind::Cpu, Some(t)) = (a.backend, &a.tokenizer) {
+            return Err(invalid("--tokenizer", t.display(), "is for the sim backend (cpu uses its model's own)"));
+        }
         Ok(EngineConfig {
             listen: SocketAddr::new(ip, a.port),
             backend: a.backend,
@@ -223,6 +233,7 @@ impl EngineConfig {
             enable_prefix_caching: !a.no_enable_prefix_caching,
             seed: a.seed,
             model_path,
+            tokenizer_path: a.tokenizer.clone(),
             kv_cache_bytes: (a.kv_cache_space * (1u64 << 30) as f64) as usize,
             threads,
             tensor_parallel_size,

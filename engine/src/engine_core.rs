@@ -50,7 +50,15 @@ impl EngineCore {
     pub fn load(cfg: &EngineConfig) -> anyhow::Result<(EngineConfig, Self, Arc<dyn Tokenizer>)> {
         let mut cfg = cfg.clone();
         let (tokenizer, backend): (Arc<dyn Tokenizer>, Box<dyn Backend>) = match cfg.backend {
-            BackendKind::Sim => (Arc::new(SimTokenizer::new()), Box::new(SimBackend::new(cfg.sim_profile))),
+            BackendKind::Sim => match &cfg.tokenizer_path {
+                None => (Arc::new(SimTokenizer::new()), Box::new(SimBackend::new(cfg.sim_profile))),
+                Some(path) => {
+                    let tokenizer = switchyard_tokenizer::load(path)
+                        .map_err(|e| anyhow::anyhow!("--tokenizer {}: {e}", path.display()))?;
+                    let backend = SimBackend::with_tokenizer(cfg.sim_profile, &tokenizer);
+                    (Arc::new(tokenizer), Box::new(backend))
+                }
+            },
             BackendKind::Cpu => load_cpu(&mut cfg)?,
         };
         Ok(Self::assemble(cfg, tokenizer, backend))

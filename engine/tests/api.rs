@@ -375,3 +375,38 @@ async fn bad_input_gets_a_400_or_404_naming_the_field() {
     let ok = post(addr, "/v1/completions", &json!({"prompt": "a", "max_tokens": 3})).await;
     assert_eq!(ok.status, 200);
 }
+
+/// `--tokenizer` (#19): a simulated engine tokenizes and renders chats with the real model's
+/// tokenizer, so it counts (and caches, and publishes) the token ids a real engine would, and
+/// it generates words of that tokenizer; `--tokenizer` is refused for the cpu backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_simulated_engine_tokenizes_like_the_model_it_is_given() {
+    use switchyard_engine::tokenizer::{ChatMessage, ModelTokenizer};
+    let model = switchyard_engine::model::default_model_path();
+    let tok = switchyard_tokenizer::load(&model).expect("scripts/setup.sh fetches the model");
+    let addr = spawn_engine(&["--sim-profile", "instant", "--tokenizer", model.to_str().unwrap()]).await;
+    let question = "What is the capital of France? Answer in 2024 words.";
+    let resp = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": question}], "max_tokens": 12, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(resp.status, 200);
+    let v = resp.json().await;
+    let rendered = tok.render(&[ChatMessage { role: "user".into(), content: question.into() }]).unwrap();
+    assert_eq!(v["usage"]["prompt_tokens"], ModelTokenizer::encode(&tok, &rendered).len(), "{v}");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let words: Vec<&str> = text.split_whitespace().collect();
+    assert!(
+        !words.is_empty() && words.iter().all(|w| switchyard_engine::tokenizer::WORDS.iter().any(|x| w.starts_with(x))),
+        "{text:?}"
+    );
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_switchyard-engine"))
+        .args(["--backend", "cpu", "--tokenizer", model.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--tokenizer"), "{}", String::from_utf8_lossy(&out.stderr));
+}

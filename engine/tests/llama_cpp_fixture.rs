@@ -21,7 +21,6 @@ use serde_json::Value;
 use switchyard_engine::backend::cpu::load;
 use switchyard_engine::model::llama::{KvStore, SeqInput};
 use switchyard_engine::model::{default_model_path, FETCH_COMMAND};
-use switchyard_engine::tokenizer::Tokenizer;
 
 /// Logit gap under which two top tokens are a tie for this comparison (see above).
 const TIE: f64 = 0.5;

@@ -100,7 +100,7 @@ fn truncated_and_corrupt_copies_are_clear_errors() {
 
 #[test]
 fn tokenizer_and_chat_template_come_from_the_file() {
-    use switchyard_engine::model::model_tokenizer::ModelTokenizer;
+    use switchyard_engine::tokenizer::ModelTokenizer;
     use switchyard_engine::tokenizer::{ChatMessage, Tokenizer};
     let f = model();
     let t = ModelTokenizer::from_gguf(&f.header).unwrap();

@@ -143,6 +143,11 @@ pub struct GatewayConfig {
 pub struct KvEventsConfig {
     /// The engines' block size (tokens).
     pub block_size: usize,
+    /// The served model's tokenizer (a `.gguf` file, a `tokenizer.json`, or a Hugging Face
+    /// directory): requests are rendered with its chat template and tokenized as the engine
+    /// does, so their blocks can be looked up in the index. Without it the index is built
+    /// but routing uses the approximate prefix index only.
+    pub tokenizer: Option<std::path::PathBuf>,
     /// For discovered engines (DNS, Kubernetes): their PUB socket is `tcp://<address>:<port>`.
     pub port: Option<u16>,
     /// … and their replay ROUTER socket `tcp://<address>:<replay_port>`.
@@ -153,7 +158,7 @@ pub struct KvEventsConfig {
 
 impl Default for KvEventsConfig {
     fn default() -> Self {
-        KvEventsConfig { block_size: 16, port: None, replay_port: None, max_bytes: 64 * 1024 * 1024 }
+        KvEventsConfig { block_size: 16, tokenizer: None, port: None, replay_port: None, max_bytes: 64 * 1024 * 1024 }
     }
 }
 
@@ -164,6 +169,11 @@ impl KvEventsConfig {
         }
         if self.max_bytes < 1024 * 1024 {
             errs.add("kv_events.max_bytes", self.max_bytes, "must be >= 1 MiB");
+        }
+        if let Some(path) = &self.tokenizer {
+            if !path.exists() {
+                errs.add("kv_events.tokenizer", path.display(), "no such file or directory");
+            }
         }
     }
 }

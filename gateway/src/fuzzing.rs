@@ -67,10 +67,17 @@ pub fn request_path(data: &[u8]) {
     if let Some(tree) = canonical_prompt_from_tree(body) {
         assert_eq!(canonical_prompt(body), tree, "the streaming visitor renders what the tree does");
     }
+    // The prompt as an engine reads it (precise routing): a chat, a text or ids, or nothing;
+    // never a panic. A chat has messages; ids are what the body lists.
+    match crate::request::tokens::prompt_input(body) {
+        Some(crate::request::tokens::PromptInput::Chat(m)) => assert!(!m.is_empty()),
+        Some(crate::request::tokens::PromptInput::Ids(ids)) => assert!(!ids.is_empty()),
+        Some(crate::request::tokens::PromptInput::Text(_)) | None => {}
+    }
 
     let Some(req) = request_header(head) else { return };
     let active = Active::for_config(GatewayConfig::parse(CONFIG).expect("the fuzz config is valid"));
-    let plan = plan_request(&req, body, &active, tenant.as_deref());
+    let plan = plan_request(&req, body, &active, tenant.as_deref(), None);
     let is_object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
         && serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| v.is_object());
     assert!(plan.is_err() || is_object, "a plan only comes from a JSON object");

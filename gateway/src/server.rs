@@ -108,7 +108,17 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     let (admin_socket, admin_addr) = bind("admin_listen", &config.admin_listen)?;
     let certs = config.tls.as_ref().map(tls::CertStore::load).transpose().map_err(|e| anyhow::anyhow!("tls: {e}"))?;
     let http2 = config.tls.as_ref().is_some_and(|t| t.http2);
-    let state = state::GatewayState::new(config, metrics);
+    let tokenizer = match config.kv_events.as_ref().and_then(|k| k.tokenizer.as_ref()) {
+        Some(path) => {
+            let started = std::time::Instant::now();
+            let t = switchyard_tokenizer::load(path).map_err(|e| anyhow::anyhow!("kv_events.tokenizer: {e}"))?;
+            tracing::info!(path = %path.display(), vocab = t.vocab_len(), chat_template = t.has_chat_template(),
+                ms = started.elapsed().as_millis() as u64, "tokenizer loaded");
+            Some(std::sync::Arc::new(t))
+        }
+        None => None,
+    };
+    let state = state::GatewayState::new(config, metrics, tokenizer);
 
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();

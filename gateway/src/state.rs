@@ -105,8 +105,12 @@ pub struct GatewayState {
 }
 
 impl GatewayState {
-    /// State for a validated config.
-    pub fn new(config: GatewayConfig, metrics: GatewayMetrics) -> Arc<Self> {
+    /// State for a validated config; `tokenizer`: `kv_events.tokenizer`, loaded.
+    pub fn new(
+        config: GatewayConfig,
+        metrics: GatewayMetrics,
+        tokenizer: Option<Arc<switchyard_tokenizer::ModelTokenizer>>,
+    ) -> Arc<Self> {
         let cluster = Arc::new(ClusterView::rebuild(&ClusterView::default(), &backend_specs(&config, &[])));
         let prefix = PrefixTracker::new(&config.prefix_index);
         let auth = build_auth(&config, None);
@@ -117,7 +121,7 @@ impl GatewayState {
         let config_kv_events = config
             .kv_events
             .as_ref()
-            .map(|k| crate::kv_events::subscriber::KvEventsShared::new(k.block_size, k.max_bytes));
+            .map(|k| crate::kv_events::subscriber::KvEventsShared::new(k.block_size, k.max_bytes, tokenizer));
         let r = &config.retries;
         let retry_budget = RetryBudget::new(r.budget_percent, r.min_retries_per_second, std::time::Instant::now());
         Arc::new(GatewayState {
@@ -217,7 +221,7 @@ mod tests {
     fn state() -> Arc<GatewayState> {
         let yaml = "listen: 127.0.0.1:18080\nadmin_listen: 127.0.0.1:19090\ndiscovery:\n  static:\n    - url: http://engine-0.engines:8001\n    - url: http://127.0.0.1:9\n";
         let cfg = GatewayConfig::parse(yaml).unwrap();
-        GatewayState::new(cfg, GatewayMetrics::new(prometheus::Registry::new()).unwrap())
+        GatewayState::new(cfg, GatewayMetrics::new(prometheus::Registry::new()).unwrap(), None)
     }
 
     #[test]

@@ -276,3 +276,167 @@ async fn without_a_replay_socket_a_gap_forgets_the_engine() {
     let m = scrape(g.admin).await;
     assert_eq!(metric_where(&m, "switchyard_kv_events_gaps_total", "outcome", "forgotten"), 1.0);
 }
+
+/// Six simulated engines that tokenize with the real model's tokenizer and publish their KV
+/// events, bound on free ports; with the events' endpoints.
+fn publishing_engines(n: usize) -> Vec<(EngineProc, String, String)> {
+    let tokenizer = switchyard_engine::model::default_model_path();
+    (0..n)
+        .map(|_| {
+            let (p, r) = (free_port(), free_port());
+            let config = json!({
+                "enable_kv_cache_events": true, "publisher": "zmq",
+                "endpoint": format!("tcp://*:{p}"), "replay_endpoint": format!("tcp://*:{r}"),
+            });
+            let engine = EngineProc::start(&[
+                "--sim-profile",
+                "instant",
+                "--served-model-name",
+                "m",
+                "--tokenizer",
+                tokenizer.to_str().unwrap(),
+                "--kv-events-config",
+                &config.to_string(),
+            ]);
+            (engine, format!("tcp://127.0.0.1:{p}"), format!("tcp://127.0.0.1:{r}"))
+        })
+        .collect()
+}
+
+/// Per engine URL, the blocks one gateway's index holds.
+async fn held_blocks(g: &GatewayProc) -> Vec<(String, u64)> {
+    let b = backends(g).await;
+    let mut v: Vec<(String, u64)> = b["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| (x["url"].as_str().unwrap().to_string(), x["kv_events"]["held_blocks"].as_u64().unwrap_or(0)))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Per engine URL, the requests one gateway routed there.
+async fn routed_counts(g: &GatewayProc) -> Vec<u64> {
+    let b = backends(g).await;
+    let mut v: Vec<(String, u64)> = b["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| (x["url"].as_str().unwrap().to_string(), x["routed"].as_u64().unwrap()))
+        .collect();
+    v.sort();
+    v.into_iter().map(|x| x.1).collect()
+}
+
+/// A chat request of prefix group `group`: a long system prompt shared by the group, then a
+/// question of its own.
+fn group_request(group: usize, n: usize) -> Value {
+    let system: String = (0..60)
+        .map(|i| format!("Rule {i} of handbook {group}: answer in the style of chapter {}. ", i * 7 + group))
+        .collect();
+    json!({"model": "m", "max_tokens": 2, "messages": [
+        {"role": "system", "content": system},
+        // Long enough to end in blocks of its own: ties between idle engines are broken by a
+        // hash of the request's last block, which must not be the group's.
+        {"role": "user", "content": format!("Question {n}: what does rule {} say? {}", n * 3 + 1,
+            (0..30).map(|i| format!("detail {} ", i * n + 11)).collect::<String>())},
+    ]})
+}
+
+/// Sends `followers` requests of each group round-robin over `gateways` (after one request
+/// per group through the first): returns the share of the followers that went to the engine
+/// the group's first request went to.
+async fn agreement(gateways: &[GatewayProc], groups: std::ops::Range<usize>, followers: usize) -> f64 {
+    let which = |before: &[u64], after: &[u64]| before.iter().zip(after).position(|(b, a)| a > b).unwrap();
+    let mut home = Vec::new();
+    for group in groups.clone() {
+        let before = routed_counts(&gateways[0]).await;
+        assert_eq!(post(gateways[0].addr, "/v1/chat/completions", &group_request(group, 0)).await.status, 200);
+        home.push(which(&before, &routed_counts(&gateways[0]).await));
+    }
+    // Every replica has heard what the engines stored (each group's system prompt is over
+    // 40 blocks), and holds the same index.
+    let stored = 40 * groups.len() as u64;
+    eventually("the replicas' indexes agree", async || {
+        let mut all = Vec::new();
+        for g in gateways {
+            all.push(held_blocks(g).await);
+        }
+        all.windows(2).all(|w| w[0] == w[1]) && all[0].iter().map(|x| x.1).sum::<u64>() >= stored
+    })
+    .await;
+    let (mut same, mut total) = (0, 0);
+    for n in 1..=followers {
+        for (k, group) in groups.clone().enumerate() {
+            let g = &gateways[(n + k) % gateways.len()];
+            let before = routed_counts(g).await;
+            assert_eq!(post(g.addr, "/v1/chat/completions", &group_request(group, n)).await.status, 200);
+            same += usize::from(which(&before, &routed_counts(g).await) == home[k]);
+            total += 1;
+        }
+    }
+    same as f64 / total as f64
+}
+
+/// Until every gateway hears every engine's events (ZMQ connects in the background, and an
+/// engine publishes only when its cache changes): requests straight to the engines.
+async fn until_every_stream_is_live(engines: &[(EngineProc, String, String)], gateways: &[GatewayProc]) {
+    for round in 0.. {
+        for (i, (e, _, _)) in engines.iter().enumerate() {
+            let body =
+                json!({"model": "m", "max_tokens": 1, "prompt": format!("warm up {round} {i} {}", "x ".repeat(40))});
+            assert_eq!(post(e.addr, "/v1/completions", &body).await.status, 200);
+        }
+        let mut live = true;
+        for g in gateways {
+            let b = backends(g).await;
+            live &= b["backends"].as_array().unwrap().iter().all(|x| x["kv_events"]["receiving"] == true);
+        }
+        if live {
+            return;
+        }
+        assert!(round < 100, "the gateways never heard every engine: {}", backends(&gateways[0]).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Four gateway replicas in front of the same six engines route every request of a prefix
+/// group to the engine that holds the group's prefix (#19): each replica subscribes to every
+/// engine's KV events and tokenizes requests as the engines do, so all hold the same index
+/// and score alike. With the approximate index alone (what each replica routed itself) the
+/// same workload scatters: the check that this test can fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_route_each_prefix_group_to_the_engine_that_holds_it() {
+    let engines = publishing_engines(6);
+    let tokenizer = switchyard_engine::model::default_model_path();
+    let replica = |precise: bool| {
+        let mut c = GatewayConfigBuilder::new().policy("cost");
+        for (e, p, r) in &engines {
+            c = c.backend_with_kv_events(&e.url(), p, Some(r));
+        }
+        let kv = match precise {
+            true => format!("{{ block_size: 16, tokenizer: {:?} }}", tokenizer.to_str().unwrap()),
+            false => "{ block_size: 16 }".to_string(),
+        };
+        GatewayProc::start(&c.section("kv_events", &kv))
+    };
+    let precise: Vec<GatewayProc> = (0..4).map(|_| replica(true)).collect();
+    for g in &precise {
+        wait_scraped(g, 6).await;
+    }
+    until_every_stream_is_live(&engines, &precise).await;
+    let share = agreement(&precise, 0..12, 6).await;
+    eprintln!("precise: {:.1}% of followers went to their group's engine", share * 100.0);
+    assert!(share >= 0.99, "precise: {:.0}% of requests went to their group's engine", share * 100.0);
+    drop(precise);
+
+    let approximate: Vec<GatewayProc> = (0..4).map(|_| replica(false)).collect();
+    for g in &approximate {
+        wait_scraped(g, 6).await;
+    }
+    until_every_stream_is_live(&engines, &approximate).await;
+    let share = agreement(&approximate, 100..112, 6).await;
+    eprintln!("approximate: {:.1}% of followers went to their group's engine", share * 100.0);
+    assert!(share < 0.8, "approximate: {:.0}% agreed; the workload does not tell the two apart", share * 100.0);
+}

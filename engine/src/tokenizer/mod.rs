@@ -2,15 +2,14 @@
 //!
 //! Everything above the model talks to tokenizers through the [`Tokenizer`] trait. Two
 //! implementations exist: [`SimTokenizer`] ([`sim`]), the `sim` backend's deterministic
-//! stand-in, and [`ModelTokenizer`](crate::model::model_tokenizer::ModelTokenizer), a real
-//! model's tokenizer and chat template, loaded with its weights.
+//! stand-in, and [`ModelTokenizer`], a real model's tokenizer and chat template (from the
+//! `switchyard-tokenizer` crate, which the gateway shares), loaded with its weights.
 
 pub mod sim;
 
 pub use sim::{SimTokenizer, WORDS};
 
-/// A token id.
-pub type TokenId = u32;
+pub use switchyard_tokenizer::{render_chatml, ChatMessage, ModelTokenizer, TokenId};
 
 /// What the engine needs from a tokenizer.
 pub trait Tokenizer: Send + Sync {
@@ -31,26 +30,24 @@ pub trait Tokenizer: Send + Sync {
     }
 }
 
-/// One chat message with its content flattened to text.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChatMessage {
-    /// `system`, `user`, `assistant`, `tool`…
-    pub role: String,
-    /// The message text.
-    pub content: String,
-}
-
-/// Render messages in ChatML with a generation prompt, the format of the models the
-/// simulator stands in for when no template of a real model is loaded.
-pub fn render_chatml(messages: &[ChatMessage]) -> String {
-    let mut out = String::with_capacity(messages.iter().map(|m| m.content.len() + 32).sum());
-    for m in messages {
-        out.push_str("<|im_start|>");
-        out.push_str(&m.role);
-        out.push('\n');
-        out.push_str(&m.content);
-        out.push_str("<|im_end|>\n");
+impl Tokenizer for ModelTokenizer {
+    fn encode(&self, text: &str) -> Vec<TokenId> {
+        ModelTokenizer::encode(self, text)
     }
-    out.push_str("<|im_start|>assistant\n");
-    out
+
+    fn decode(&self, ids: &[TokenId]) -> String {
+        ModelTokenizer::decode(self, ids)
+    }
+
+    fn eos_token_id(&self) -> TokenId {
+        ModelTokenizer::eos_token_id(self)
+    }
+
+    fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        self.render(messages).map_err(|e| e.to_string())
+    }
+
+    fn vocab_size(&self) -> Option<usize> {
+        Some(self.vocab_len())
+    }
 }

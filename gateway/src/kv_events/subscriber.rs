@@ -22,9 +22,12 @@ use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use super::index::{Applied, EngineSlot, KvIndex, MAX_ENGINES};
+use switchyard_tokenizer::ModelTokenizer;
+
+use super::index::{prompt_keys, Applied, BlockKey, EngineSlot, KvIndex, MAX_ENGINES};
 use super::wire::{decode_batch, EventBatch};
 use crate::metrics::GatewayMetrics;
+use crate::request::tokens::prompt_token_ids;
 use crate::state::Active;
 
 /// How often the set of engines is compared with the subscriptions.
@@ -58,12 +61,53 @@ pub struct KvEventsShared {
     pub index: Mutex<KvIndex>,
     /// Per backend key: its slot and stream.
     pub streams: Mutex<HashMap<u64, (EngineSlot, StreamState)>>,
+    /// The served model's tokenizer (`kv_events.tokenizer`): without it requests have no
+    /// block keys and routing uses the approximate index alone.
+    pub tokenizer: Option<Arc<ModelTokenizer>>,
+}
+
+/// A request's prompt as the engines will cache it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrecisePrompt {
+    /// The keys of its full blocks, in order.
+    pub keys: Vec<BlockKey>,
+    /// Its length in tokens.
+    pub tokens: u64,
 }
 
 impl KvEventsShared {
-    /// An empty index for `block_size`-token blocks within `max_bytes`.
-    pub fn new(block_size: usize, max_bytes: usize) -> Arc<Self> {
-        Arc::new(KvEventsShared { index: Mutex::new(KvIndex::new(block_size, max_bytes)), streams: Mutex::default() })
+    /// An empty index for `block_size`-token blocks within `max_bytes`; requests are
+    /// tokenized with `tokenizer`, when given.
+    pub fn new(block_size: usize, max_bytes: usize, tokenizer: Option<Arc<ModelTokenizer>>) -> Arc<Self> {
+        Arc::new(KvEventsShared {
+            index: Mutex::new(KvIndex::new(block_size, max_bytes)),
+            streams: Mutex::default(),
+            tokenizer,
+        })
+    }
+
+    /// The prompt of `body` tokenized as the engine will (`None` without a tokenizer, or for
+    /// a body with no single prompt: see [`crate::request::tokens`]).
+    pub fn precise_prompt(&self, body: &[u8]) -> Option<PrecisePrompt> {
+        let ids = prompt_token_ids(body, self.tokenizer.as_deref()?)?;
+        let block_size = self.index.lock().block_size();
+        Some(PrecisePrompt { keys: prompt_keys(&ids, block_size), tokens: ids.len() as u64 })
+    }
+
+    /// Per backend key of `backends`: the leading tokens of `prompt` that engine holds, for
+    /// the engines whose event stream is live (a message has arrived since it was
+    /// subscribed); `None` for the others, which the approximate index stands in for.
+    pub fn matched_tokens(&self, prompt: &PrecisePrompt, backends: &[u64]) -> Vec<Option<u64>> {
+        let streams = self.streams.lock();
+        let index = self.index.lock();
+        let block = index.block_size() as u64;
+        backends
+            .iter()
+            .map(|key| {
+                let (slot, stream) = streams.get(key)?;
+                stream.receiving.then(|| (index.matched_blocks(*slot, &prompt.keys) as u64 * block).min(prompt.tokens))
+            })
+            .collect()
     }
 
     /// What `/admin/backends` shows for the backend keyed `key`.
@@ -293,5 +337,73 @@ async fn replay(endpoint: &str, start: u64) -> Option<Vec<(u64, EventBatch)>> {
         }
         let seq = u64::from_be_bytes(<[u8; 8]>::try_from(seq.as_ref()).ok()?);
         out.push((seq, decode_batch(payload).ok()?));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_events::wire::Event;
+
+    /// A tokenizer whose tokens are single characters (`a`-`z`, space, `<`, `>`, `|`, `_`,
+    /// newline), with no chat template (ChatML).
+    fn letters() -> Arc<ModelTokenizer> {
+        let alphabet = "abcdefghijklmnopqrstuvwxyz <>|_\n";
+        let mut vocab = serde_json::Map::new();
+        vocab.insert("<eos>".into(), 0.into());
+        for (i, c) in alphabet.chars().enumerate() {
+            vocab.insert(c.to_string(), (i + 1).into());
+        }
+        let doc = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "vocab": vocab, "merges": []},
+        });
+        let config = serde_json::json!({"eos_token": "<eos>"});
+        Arc::new(ModelTokenizer::from_hf(doc.to_string().as_bytes(), Some(&config)).unwrap())
+    }
+
+    #[test]
+    fn live_engines_match_by_the_blocks_they_hold_and_the_others_are_left_to_the_approximate_index() {
+        let shared = KvEventsShared::new(4, 1 << 30, Some(letters()));
+        let body = br#"{"messages":[{"role":"user","content":"hello world"}]}"#;
+        let prompt = shared.precise_prompt(body).expect("a chat tokenizes");
+        // `<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n`, a token a character.
+        let text = switchyard_tokenizer::render_chatml(&[switchyard_tokenizer::ChatMessage {
+            role: "user".into(),
+            content: "hello world".into(),
+        }]);
+        assert_eq!(prompt.tokens, text.len() as u64);
+        assert_eq!(prompt.keys.len(), text.len() / 4);
+
+        // Engine A (backend 1) stored the prompt's first three blocks, as the engine tokenized them.
+        let ids = letters().encode(&text);
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![Event::BlockStored {
+                block_hashes: vec![901, 902, 903],
+                parent_block_hash: None,
+                token_ids: ids[..12].to_vec(),
+                block_size: 4,
+                medium: None,
+                lora_name: None,
+            }],
+            data_parallel_rank: None,
+        };
+        shared.index.lock().apply(0, 0, &batch);
+        let live = StreamState { receiving: true, ..StreamState::default() };
+        shared.streams.lock().insert(1, (0, live.clone()));
+        // Engine B (backend 2) is subscribed and live but holds nothing; C (3) has not been heard
+        // from yet; D (4) has no stream at all.
+        shared.streams.lock().insert(2, (1, live));
+        shared.streams.lock().insert(3, (2, StreamState::default()));
+        assert_eq!(shared.matched_tokens(&prompt, &[1, 2, 3, 4]), vec![Some(12), Some(0), None, None]);
+
+        // A completion's token ids are taken as they are; a batch has no single prompt.
+        let ids = shared.precise_prompt(br#"{"prompt":[1,2,3,4,5]}"#).unwrap();
+        assert_eq!((ids.tokens, ids.keys.len()), (5, 1));
+        assert_eq!(shared.precise_prompt(br#"{"prompt":["a","b"]}"#), None);
+        assert_eq!(KvEventsShared::new(4, 1 << 30, None).precise_prompt(body), None, "no tokenizer, no keys");
     }
 }

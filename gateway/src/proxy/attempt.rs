@@ -119,7 +119,7 @@ impl ProxyApp {
     ) -> bool {
         let active = self.state.active.load_full();
         if !Arc::ptr_eq(&active, planned_with) {
-            plan.fit_policy(s.req_header(), body, &active);
+            plan.fit_policy(s.req_header(), body, &active, self.state.kv_events.as_deref());
         }
         let plan = &*plan;
         self.state.retry_budget.lock().record_request(Instant::now());
@@ -175,6 +175,8 @@ impl ProxyApp {
             return Err(ctx.last_error.take().unwrap_or_else(|| ProxyError::NoBackend(plan.model.clone())));
         }
         let pcfg = &active.config.prefix_index;
+        // The prompt's length: exact when tokenized for the precise index, else estimated.
+        let prompt_tokens = plan.precise.as_ref().map_or(plan.prompt_tokens, |p| p.tokens);
         if !plan.hashes.is_empty() {
             let keys: Vec<(u64, u32)> = candidates
                 .iter()
@@ -184,13 +186,23 @@ impl ProxyApp {
                 })
                 .collect();
             let blocks = self.state.prefix.matched_blocks(&plan.hashes, &keys);
-            for (c, n) in candidates.iter_mut().zip(blocks) {
-                c.matched_tokens = pcfg.tokens(n * pcfg.block_bytes).min(plan.prompt_tokens);
+            // Engines whose KV events are live: the blocks they hold. The others: the
+            // approximate index's estimate, in the prompt's tokens.
+            let precise = match (&plan.precise, &self.state.kv_events) {
+                (Some(p), Some(kv)) => kv.matched_tokens(p, &keys.iter().map(|k| k.0).collect::<Vec<_>>()),
+                _ => vec![None; candidates.len()],
+            };
+            for ((c, n), exact) in candidates.iter_mut().zip(blocks).zip(precise) {
+                let approximate = pcfg.tokens(n * pcfg.block_bytes).min(plan.prompt_tokens);
+                c.matched_tokens = match exact {
+                    Some(t) => t,
+                    None if plan.prompt_tokens == prompt_tokens => approximate,
+                    None => (approximate as f64 / plan.prompt_tokens.max(1) as f64 * prompt_tokens as f64) as u64,
+                };
             }
         }
         let policy = &active.policy;
-        let input =
-            RouteInput { model: &plan.model, prompt_tokens: plan.prompt_tokens, session: plan.session.as_deref() };
+        let input = RouteInput { model: &plan.model, prompt_tokens, session: plan.session.as_deref() };
         // Policies that read prefixes break ties by the request (its prompt's chained block
         // hashes), not a per-replica RNG: every gateway replica given the same load and index
         // sends a prompt to the same engine.
@@ -209,10 +221,10 @@ impl ProxyApp {
         ctx.reason = Some(decision.reason);
         if !plan.hashes.is_empty() {
             let m = &self.state.metrics;
-            m.prefix_match_ratio.observe(chosen.matched_tokens as f64 / plan.prompt_tokens.max(1) as f64);
+            m.prefix_match_ratio.observe(chosen.matched_tokens as f64 / prompt_tokens.max(1) as f64);
             m.prefix_index_bytes.set(self.state.prefix.insert(backend.key, &plan.hashes) as i64);
         }
-        let uncached = plan.prompt_tokens - chosen.matched_tokens;
+        let uncached = prompt_tokens.saturating_sub(chosen.matched_tokens);
         Ok(Pick { index: chosen.index, uncached, work: chosen.pending_prefill_tokens + uncached })
     }
 

@@ -277,7 +277,7 @@ impl ProxyApp {
         let active = self.state.active.load_full();
         let body = read_body(s, &active.config, &self.state.bodies, &mut ctx.body_held).await?;
         ctx.request_bytes = body.len();
-        let plan = plan_request(s.req_header(), &body, &active, ctx.tenant.as_deref());
+        let plan = plan_request(s.req_header(), &body, &active, ctx.tenant.as_deref(), self.state.kv_events.as_deref());
         if let Ok(p) = &plan {
             ctx.stream = p.stream;
             ctx.model = Some(p.model.clone());

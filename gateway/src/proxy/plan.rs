@@ -8,6 +8,7 @@ use pingora::http::RequestHeader;
 
 use crate::auth::Tenant;
 use crate::error::ProxyError;
+use crate::kv_events::subscriber::{KvEventsShared, PrecisePrompt};
 use crate::policy::prefix_index::block_hashes;
 use crate::request::{canonical_prompt, routing_fields};
 use crate::state::Active;
@@ -32,12 +33,15 @@ pub struct RoutePlan {
     pub hashes: Vec<u64>,
     /// Estimated tokens of the canonical prompt (0 unless the policy reads prefixes).
     pub prompt_tokens: u64,
+    /// The prompt tokenized as the engine will, with its block keys (a policy that reads
+    /// prefixes, and `kv_events.tokenizer` set).
+    pub precise: Option<PrecisePrompt>,
     /// The session header's value, for the `session` policy.
     pub session: Option<String>,
 }
 
 /// Plan `body` (sent with `head`) under the config, policy and backends of `active`.
-/// `tenant` is the API key's, when keys are on.
+/// `tenant` is the API key's, when keys are on; `kv`: the precise index, when configured.
 ///
 /// # Errors
 /// 400 for a body that is not a JSON object with well-typed routing fields, or one that
@@ -47,6 +51,7 @@ pub fn plan_request(
     body: &[u8],
     active: &Active,
     tenant: Option<&Tenant>,
+    kv: Option<&KvEventsShared>,
 ) -> Result<RoutePlan, ProxyError> {
     let cfg = &active.config;
     let fields = routing_fields(body, &cfg.limits.prompt_limits())?;
@@ -80,26 +85,32 @@ pub fn plan_request(
         prompt_charge,
         hashes: Vec::new(),
         prompt_tokens: 0,
+        precise: None,
         session: None,
     };
-    plan.fit_policy(head, body, active);
+    plan.fit_policy(head, body, active, kv);
     Ok(plan)
 }
 
 impl RoutePlan {
     /// Fill in what `active`'s policy reads: the canonical prompt's block hashes and token
-    /// estimate (prefix-aware policies), the session header (`session`). Called again when
-    /// a reload changed the policy while the request waited in the queue.
-    pub fn fit_policy(&mut self, head: &RequestHeader, body: &[u8], active: &Active) {
+    /// estimate, and its precise block keys when `kv` can tokenize (prefix-aware policies);
+    /// the session header (`session`). Called again when a reload changed the policy while
+    /// the request waited in the queue.
+    pub fn fit_policy(&mut self, head: &RequestHeader, body: &[u8], active: &Active, kv: Option<&KvEventsShared>) {
         let policy = &active.policy;
         let pcfg = &active.config.prefix_index;
         if policy.uses_prefix() {
             let text = canonical_prompt(body);
             self.hashes = block_hashes(text.as_bytes(), pcfg.block_bytes);
             self.prompt_tokens = pcfg.tokens(text.len());
+            if self.precise.is_none() {
+                self.precise = kv.and_then(|kv| kv.precise_prompt(body));
+            }
         } else {
             self.hashes = Vec::new();
             self.prompt_tokens = 0;
+            self.precise = None;
         }
         self.session =
             policy.session_header().and_then(|h| head.headers.get(h)).and_then(|v| v.to_str().ok()).map(str::to_owned);
@@ -131,32 +142,35 @@ mod tests {
         let a = active("");
         let body =
             format!(r#"{{"messages":[{{"role":"user","content":"{}"}}],"max_tokens":10}}"#, "hello ".repeat(200));
-        let p = plan_request(&head(&[("x-priority", " 3 ")]), body.as_bytes(), &a, None).unwrap();
+        let p = plan_request(&head(&[("x-priority", " 3 ")]), body.as_bytes(), &a, None, None).unwrap();
         assert_eq!((p.model.as_str(), p.stream, p.max_tokens, p.priority), ("m", false, Some(10), 3));
         assert_eq!(p.charge, p.prompt_charge + 10);
         assert!(!p.hashes.is_empty() && p.prompt_tokens > 0, "cost reads prefixes: {p:?}");
         assert_eq!(p.session, None);
-        let p = plan_request(&head(&[("x-priority", "high")]), b"{\"model\":\"x\"}", &a, None).unwrap();
+        let p = plan_request(&head(&[("x-priority", "high")]), b"{\"model\":\"x\"}", &a, None, None).unwrap();
         assert_eq!((p.model.as_str(), p.priority), ("x", 0));
     }
 
     #[test]
     fn policies_that_do_not_read_prompts_get_no_hashes_and_sessions_get_their_header() {
         let a = active("policy:\n  type: session\n  header: x-session\n");
-        let p = plan_request(&head(&[("x-session", "abc")]), br#"{"prompt":"once upon a time, long ago"}"#, &a, None)
-            .unwrap();
+        let p =
+            plan_request(&head(&[("x-session", "abc")]), br#"{"prompt":"once upon a time, long ago"}"#, &a, None, None)
+                .unwrap();
         assert_eq!(p.session.as_deref(), Some("abc"));
         let a = active("policy:\n  type: round_robin\n");
-        let p = plan_request(&head(&[]), br#"{"prompt":"once upon a time, long ago"}"#, &a, None).unwrap();
+        let p = plan_request(&head(&[]), br#"{"prompt":"once upon a time, long ago"}"#, &a, None, None).unwrap();
         assert!(p.hashes.is_empty() && p.prompt_tokens == 0);
     }
 
     #[test]
     fn the_charge_follows_the_engines_precedence_and_never_overflows() {
         let a = active("");
-        let p = plan_request(&head(&[]), br#"{"max_tokens":1,"max_completion_tokens":100000}"#, &a, None).unwrap();
+        let p =
+            plan_request(&head(&[]), br#"{"max_tokens":1,"max_completion_tokens":100000}"#, &a, None, None).unwrap();
         assert_eq!(p.charge, p.prompt_charge + 100_000);
-        let p = plan_request(&head(&[]), br#"{"max_tokens":18446744073709551615,"prompt":"a"}"#, &a, None).unwrap();
+        let p =
+            plan_request(&head(&[]), br#"{"max_tokens":18446744073709551615,"prompt":"a"}"#, &a, None, None).unwrap();
         assert_eq!(p.charge, u64::MAX);
     }
 
@@ -164,7 +178,7 @@ mod tests {
     fn a_priority_header_cannot_raise_a_request_past_the_cap() {
         let a = active("");
         let body = b"{\"model\":\"m\"}";
-        let asked = |v: &str| plan_request(&head(&[("x-priority", v)]), body, &a, None).unwrap().priority;
+        let asked = |v: &str| plan_request(&head(&[("x-priority", v)]), body, &a, None, None).unwrap().priority;
         assert_eq!((asked("9"), asked("5"), asked("-2")), (5, 5, -2), "capped at max_header_priority");
         let keys = Active::for_config(
             GatewayConfig::parse(
@@ -174,16 +188,16 @@ mod tests {
         );
         let tenant = keys.auth.authenticate(Some(b"Bearer test")).unwrap().unwrap();
         let with_key =
-            |v: &str| plan_request(&head(&[("x-priority", v)]), body, &keys, Some(&tenant)).unwrap().priority;
+            |v: &str| plan_request(&head(&[("x-priority", v)]), body, &keys, Some(&tenant), None).unwrap().priority;
         assert_eq!((with_key("50"), with_key("1")), (3, 1), "a key's priority can only be lowered");
-        assert_eq!(plan_request(&head(&[]), body, &keys, Some(&tenant)).unwrap().priority, 3);
+        assert_eq!(plan_request(&head(&[]), body, &keys, Some(&tenant), None).unwrap().priority, 3);
     }
 
     #[test]
     fn bad_bodies_are_400() {
         let a = active("");
         for body in [&b"[]"[..], b"{\"model\":1}", b"{\"stream\":\"yes\"}"] {
-            assert_eq!(plan_request(&head(&[]), body, &a, None).unwrap_err().status(), 400);
+            assert_eq!(plan_request(&head(&[]), body, &a, None, None).unwrap_err().status(), 400);
         }
     }
 }

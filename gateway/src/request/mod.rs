@@ -5,10 +5,12 @@
 //! The body itself is forwarded byte for byte; this only extracts `model`, `stream` and the
 //! token limit, counts the prompt's messages and items against [`PromptLimits`], and checks
 //! that the body is a JSON object (so malformed input gets a 400 from the gateway instead
-//! of costing an engine a connection).
+//! of costing an engine a connection). [`tokens`] reads the prompt as the engine does, for
+//! precise prefix routing.
 
 mod content;
 mod prompt;
+pub mod tokens;
 
 use std::fmt;
 

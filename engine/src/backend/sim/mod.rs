@@ -9,6 +9,9 @@
 //! End of sequence: when EOS is allowed (`ignore_eos` off, `min_tokens` reached), each
 //! generated token is EOS with probability 1/[`EOS_ONE_IN`], giving a geometric output
 //! length with that mean, like a chat model that stops on its own.
+//!
+//! With a real model's tokenizer (`--tokenizer`), the words are that tokenizer's ids of the
+//! same words ([`SimBackend::with_tokenizer`]) and EOS is its end-of-sequence token.
 
 pub mod calibration;
 pub mod profiles;
@@ -16,7 +19,7 @@ pub mod roofline;
 
 use super::{Backend, BackendFailure, StepOutput};
 use crate::scheduler::{Sampled, SeqView};
-use crate::tokenizer::{SimTokenizer, TokenId};
+use crate::tokenizer::{SimTokenizer, TokenId, Tokenizer, WORDS};
 pub use profiles::{profile, SimProfile, PROFILE_NAMES};
 pub use roofline::{kv_cache_blocks, step_time, StepShape};
 
@@ -27,22 +30,39 @@ pub const EOS_ONE_IN: u64 = 200;
 #[derive(Debug, Clone)]
 pub struct SimBackend {
     profile: SimProfile,
-    tokenizer: SimTokenizer,
+    /// The ids of the words it generates.
+    words: Vec<TokenId>,
+    eos: TokenId,
 }
 
 impl SimBackend {
-    /// A backend modelling `profile`.
+    /// A backend modelling `profile`, generating the simulator tokenizer's words.
     pub fn new(profile: SimProfile) -> Self {
-        SimBackend { profile, tokenizer: SimTokenizer::new() }
+        let sim = SimTokenizer::new();
+        let words = (0..WORDS.len() as u64).map(|i| sim.word_token(i)).collect();
+        SimBackend { profile, words, eos: SimTokenizer::EOS }
+    }
+
+    /// A backend generating the same words as `tokenizer` encodes them (each word's first
+    /// token, with its leading space), ending on its EOS.
+    pub fn with_tokenizer(profile: SimProfile, tokenizer: &dyn Tokenizer) -> Self {
+        let mut words: Vec<TokenId> =
+            WORDS.iter().filter_map(|w| tokenizer.encode(&format!(" {w}")).first().copied()).collect();
+        let eos = tokenizer.eos_token_id();
+        words.retain(|&id| id != eos);
+        if words.is_empty() {
+            return SimBackend::new(profile);
+        }
+        SimBackend { profile, words, eos }
     }
 
     /// The token generated at output position `pos` for `seed`.
     pub fn token_at(&self, seed: u64, pos: usize, eos_allowed: bool) -> TokenId {
         let r = splitmix64(seed ^ splitmix64(pos as u64 + 1));
         if eos_allowed && r.is_multiple_of(EOS_ONE_IN) {
-            SimTokenizer::EOS
+            self.eos
         } else {
-            self.tokenizer.word_token(r >> 8)
+            self.words[((r >> 8) % self.words.len() as u64) as usize]
         }
     }
 }

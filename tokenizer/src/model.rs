@@ -13,11 +13,12 @@
 //! methods enabled, the way `transformers` renders it.
 
 use std::fmt;
+use std::path::PathBuf;
 
 use serde_json::{json, Value as Json};
 
-use super::gguf::{Header, Value};
-use crate::tokenizer::{ChatMessage, TokenId, Tokenizer};
+use crate::gguf::{GgufError, Header, Value};
+use crate::{ChatMessage, TokenId};
 
 /// Why a tokenizer cannot be built or used.
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +40,25 @@ pub enum TokenizerError {
     /// The chat template does not compile or render.
     #[error("chat template: {0}")]
     Template(String),
+    /// A file cannot be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A file is not what it should be (`tokenizer_config.json` that is not JSON).
+    #[error("{path}: {reason}")]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The GGUF file cannot be read.
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
 }
 
 fn meta_err(key: &str, reason: impl Into<String>) -> TokenizerError {
@@ -163,7 +183,7 @@ impl ModelTokenizer {
     /// (ChatML when the model has no template).
     pub fn render(&self, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
         let Some(env) = &self.template else {
-            return Ok(crate::tokenizer::render_chatml(messages));
+            return Ok(crate::render_chatml(messages));
         };
         let tmpl = env.get_template("chat").map_err(|e| TokenizerError::Template(e.to_string()))?;
         let msgs: Vec<Json> = messages.iter().map(|m| json!({"role": m.role, "content": m.content})).collect();
@@ -179,6 +199,34 @@ impl ModelTokenizer {
     /// Number of tokens in the vocabulary, added tokens included.
     pub fn vocab_len(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    /// Whether the model brings its own chat template (ChatML is used otherwise).
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Text → token ids, no special tokens added (special tokens written in the text, such
+    /// as a rendered template's, are matched whole).
+    pub fn encode(&self, text: &str) -> Vec<TokenId> {
+        match self.inner.encode_fast(text, false) {
+            Ok(enc) => enc.get_ids().to_vec(),
+            // Encoding only fails on internal errors of the tokenizer (never on user text).
+            Err(e) => {
+                tracing::error!(error = %e, "tokenizer failed to encode");
+                Vec::new()
+            }
+        }
+    }
+
+    /// Token ids → text; ids that cannot be decoded give U+FFFD.
+    pub fn decode(&self, ids: &[TokenId]) -> String {
+        self.inner.decode(ids, true).unwrap_or_else(|_| "\u{FFFD}".to_string())
+    }
+
+    /// The end-of-sequence token.
+    pub fn eos_token_id(&self) -> TokenId {
+        self.eos
     }
 }
 
@@ -202,33 +250,4 @@ fn compile_template(source: &str) -> Result<minijinja::Environment<'static>, Tok
     });
     env.add_template_owned("chat", source.to_string()).map_err(|e| TokenizerError::Template(describe(&e)))?;
     Ok(env)
-}
-
-impl Tokenizer for ModelTokenizer {
-    fn encode(&self, text: &str) -> Vec<TokenId> {
-        match self.inner.encode_fast(text, false) {
-            Ok(enc) => enc.get_ids().to_vec(),
-            // Encoding only fails on internal errors of the tokenizer (never on user text).
-            Err(e) => {
-                tracing::error!(error = %e, "tokenizer failed to encode");
-                Vec::new()
-            }
-        }
-    }
-
-    fn decode(&self, ids: &[TokenId]) -> String {
-        self.inner.decode(ids, true).unwrap_or_else(|_| "\u{FFFD}".to_string())
-    }
-
-    fn eos_token_id(&self) -> TokenId {
-        self.eos
-    }
-
-    fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
-        self.render(messages).map_err(|e| e.to_string())
-    }
-
-    fn vocab_size(&self) -> Option<usize> {
-        Some(self.vocab_len())
-    }
 }

@@ -1,0 +1,95 @@
+//! `load` over the three kinds of path, and what it says when a file is wrong.
+
+use super::*;
+
+/// A scratch directory holding a small Hugging Face tokenizer (letters as tokens) and its
+/// config with a chat template.
+fn hf_dir(name: &str, config: Option<&str>) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("switchyard-tokenizer-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("<eos>".into(), 0.into());
+    for (i, c) in "abcdefghijklmnopqrstuvwxyz<>/ ".chars().enumerate() {
+        vocab.insert(c.to_string(), (i + 1).into());
+    }
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [{"id": 0, "content": "<eos>", "single_word": false, "lstrip": false, "rstrip": false,
+                          "normalized": false, "special": true}],
+        "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "vocab": vocab, "merges": []},
+    });
+    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+    if let Some(config) = config {
+        std::fs::write(dir.join("tokenizer_config.json"), config).unwrap();
+    }
+    dir
+}
+
+const CONFIG: &str = r#"{"eos_token": {"content": "<eos>"},
+  "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"}"#;
+
+fn user(text: &str) -> Vec<ChatMessage> {
+    vec![ChatMessage { role: "user".into(), content: text.into() }]
+}
+
+#[test]
+fn a_directory_and_its_tokenizer_json_load_the_same_tokenizer_and_template() {
+    let dir = hf_dir("dir", Some(CONFIG));
+    for t in [load(&dir).unwrap(), load(&dir.join("tokenizer.json")).unwrap()] {
+        assert!(t.has_chat_template());
+        let text = t.render(&user("hi")).unwrap();
+        assert_eq!(text, "<user>hi<a>");
+        // `<eos>` is an added token: matched whole; letters one id each.
+        assert_eq!(t.encode("ab<eos>"), vec![1, 2, 0]);
+        assert_eq!(t.eos_token_id(), 0);
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn without_a_template_chat_is_rendered_as_chatml() {
+    let dir = hf_dir("chatml", Some(r#"{"eos_token": "<eos>"}"#));
+    let t = load(&dir).unwrap();
+    assert!(!t.has_chat_template());
+    assert_eq!(t.render(&user("hi")).unwrap(), render_chatml(&user("hi")));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_bad_file_is_an_error_that_names_it() {
+    let missing = std::env::temp_dir().join("switchyard-tokenizer-no-such-file.json");
+    let e = load(&missing).unwrap_err();
+    assert!(matches!(e, TokenizerError::Io { .. }) && e.to_string().contains("no-such-file"), "{e}");
+
+    let dir = hf_dir("badconfig", Some("{not json"));
+    let e = load(&dir).unwrap_err();
+    assert!(matches!(e, TokenizerError::Format { .. }) && e.to_string().contains("tokenizer_config.json"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let dir = hf_dir("badtemplate", Some(r#"{"eos_token": "<eos>", "chat_template": "{% for %}"}"#));
+    assert!(matches!(load(&dir).unwrap_err(), TokenizerError::Template(_)));
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    // Four bytes that say GGUF and nothing after them.
+    let cut = std::env::temp_dir().join(format!("switchyard-tokenizer-cut-{}.gguf", std::process::id()));
+    std::fs::write(&cut, b"GGUF\x03\x00").unwrap();
+    assert!(matches!(load(&cut).unwrap_err(), TokenizerError::Gguf(_)));
+    std::fs::remove_file(cut).unwrap();
+}
+
+#[test]
+fn the_default_model_file_loads_by_its_path() {
+    // The model `scripts/setup.sh` fetches (the test suite's command runs it first).
+    let path = std::env::var_os("SWITCHYARD_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/models"))
+        .join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let t = load(&path).unwrap_or_else(|e| panic!("{e} (scripts/setup.sh fetches the model)"));
+    assert!(t.has_chat_template());
+    assert_eq!(t.encode("<|im_start|>"), vec![1]);
+    let text = t.render(&user("Hi")).unwrap();
+    assert!(text.ends_with("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"), "{text:?}");
+}
