@@ -85,7 +85,11 @@ pub fn request_path(data: &[u8]) {
 
     let cfg = &active.config.prefix_index;
     let text = canonical_prompt(body);
-    assert_eq!(plan.hashes.len(), text.len() / cfg.block_bytes, "the block hashes cover the canonical prompt");
+    assert_eq!(
+        plan.hashes,
+        crate::policy::prefix_index::block_hashes(text.as_bytes(), cfg.block_bytes),
+        "the block hashes are the canonical prompt's, hashed as it renders"
+    );
     let tracker = PrefixTracker::new(cfg);
     tracker.insert(7, &plan.hashes);
     let matched = tracker.matched_blocks(&plan.hashes, &[(7, 0), (8, 0)]);

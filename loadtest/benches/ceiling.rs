@@ -91,10 +91,10 @@ fn main() {
         reference_ttfts(&addr, 50).await; // warm-up
         let reference = reference_ttfts(&addr, n).await;
         let client = OpenAiClient::new(None, Duration::from_secs(60), None).expect("client");
-        let target = Target { name: "e".into(), base_url: format!("http://{addr}") };
+        let target = Target::new("e", format!("http://{addr}"));
         let mut ours = Vec::with_capacity(n);
         for i in 0..(n + 50) {
-            let call = Call { target: &target, endpoint: Endpoint::Completions, body: bytes::Bytes::from(BODY), stream: true };
+            let call = Call { base_url: &target.base_url, endpoint: Endpoint::Completions, body: bytes::Bytes::from(BODY), stream: true };
             let record = RequestRecord::started("e", i as u64, 0, 0.0, false);
             let r = client.call(call, record).await.record;
             assert!(r.error.is_none(), "{:?}", r.error);

@@ -44,7 +44,8 @@ pub enum WorkloadName {
 /// Options of `run` (also what follows `--` in `cluster`).
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
-    /// `NAME=URL` of an OpenAI-compatible server; repeat to compare several.
+    /// `NAME=URL` of an OpenAI-compatible server; repeat to compare several. `NAME=URL1,URL2,…`:
+    /// replicas of one server, the requests spread over them in turn.
     #[arg(long = "target")]
     pub targets: Vec<Target>,
     /// Model name (default: the first model the first target lists).
@@ -154,6 +155,18 @@ pub struct ClusterArgs {
     /// Skip the gateway and target the engines directly (one target per engine).
     #[arg(long)]
     pub no_gateway: bool,
+    /// Gateway replicas, each in front of every engine; the requests are spread over them
+    /// in turn (clients behind a load balancer).
+    #[arg(long, default_value_t = 1)]
+    pub gateways: usize,
+    /// Engines publish their KV-cache events and every gateway subscribes (precise prefix
+    /// routing when the gateways have a --tokenizer too).
+    #[arg(long)]
+    pub kv_events: bool,
+    /// A real model's tokenizer (`.gguf`, `tokenizer.json` or HF directory): sim engines
+    /// tokenize with it (`--tokenizer`), and with --kv-events the gateways too.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     /// The run options (those of `run`), after `--`.
     #[arg(last = true, allow_hyphen_values = true)]
     pub run_args: Vec<String>,

@@ -39,28 +39,58 @@ impl Endpoint {
     }
 }
 
-/// A target server.
+/// A target server: one base URL, or several replicas of one service that the requests are
+/// spread over (`NAME=URL1,URL2,…`: request `i` goes to replica `i mod n`, as clients behind
+/// a load balancer would).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Target {
     /// Name in reports.
     pub name: String,
-    /// Base URL (`http://host:port`).
+    /// Base URL (`http://host:port`) of the first replica.
     pub base_url: String,
+    /// The other replicas' base URLs.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<String>,
+}
+
+impl Target {
+    /// A target with one base URL.
+    pub fn new(name: impl Into<String>, base_url: impl Into<String>) -> Target {
+        Target { name: name.into(), base_url: base_url.into(), replicas: Vec::new() }
+    }
+
+    /// Every replica's base URL, the first one first.
+    pub fn base_urls(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.base_url.as_str()).chain(self.replicas.iter().map(String::as_str))
+    }
+
+    /// The base URL request `id` goes to.
+    pub fn url_for(&self, id: u64) -> &str {
+        match (id % (1 + self.replicas.len() as u64)) as usize {
+            0 => &self.base_url,
+            i => &self.replicas[i - 1],
+        }
+    }
 }
 
 impl std::str::FromStr for Target {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let (name, url) = s.split_once('=').ok_or_else(|| format!("--target wants NAME=URL, got {s:?}"))?;
+        let (name, urls) = s.split_once('=').ok_or_else(|| format!("--target wants NAME=URL, got {s:?}"))?;
         if name.is_empty() {
             return Err(format!("--target {s:?}: empty name"));
         }
-        let url = url.trim_end_matches('/').trim_end_matches("/v1");
-        if !url.starts_with("http://") && !url.starts_with("https://") {
-            return Err(format!("--target {s:?}: the URL must start with http:// or https://"));
+        let mut parsed = Vec::new();
+        for url in urls.split(',') {
+            let url = url.trim_end_matches('/').trim_end_matches("/v1");
+            if !url.starts_with("http://") && !url.starts_with("https://") {
+                return Err(format!("--target {s:?}: each URL must start with http:// or https://"));
+            }
+            url.parse::<hyper::Uri>().map_err(|e| format!("--target {s:?}: {e}"))?;
+            parsed.push(url.to_string());
         }
-        url.parse::<hyper::Uri>().map_err(|e| format!("--target {s:?}: {e}"))?;
-        Ok(Target { name: name.to_string(), base_url: url.to_string() })
+        let base_url = parsed.remove(0);
+        Ok(Target { name: name.to_string(), base_url, replicas: parsed })
     }
 }
 
@@ -74,8 +104,8 @@ pub struct OpenAiClient {
 
 /// What the caller asks for.
 pub struct Call<'a> {
-    /// Target.
-    pub target: &'a Target,
+    /// The base URL to send to (one of the target's replicas).
+    pub base_url: &'a str,
     /// Endpoint.
     pub endpoint: Endpoint,
     /// JSON body (already containing `stream`).
@@ -171,7 +201,7 @@ impl OpenAiClient {
         r: &mut RequestRecord,
         text: &mut String,
     ) -> Result<(), String> {
-        let uri = format!("{}{}", c.target.base_url, c.endpoint.path());
+        let uri = format!("{}{}", c.base_url, c.endpoint.path());
         let mut req = hyper::Request::post(uri).header("content-type", "application/json");
         if let Some(k) = &self.api_key {
             req = req.header("authorization", format!("Bearer {k}"));
@@ -310,8 +340,12 @@ mod tests {
     #[test]
     fn targets_parse_name_and_url() {
         let t: Target = "gw=http://127.0.0.1:8080/v1/".parse().unwrap();
-        assert_eq!(t, Target { name: "gw".into(), base_url: "http://127.0.0.1:8080".into() });
+        assert_eq!(t, Target::new("gw", "http://127.0.0.1:8080"));
         assert!("http://x".parse::<Target>().is_err());
+        let t: Target = "gw=http://a:1,http://b:2/v1".parse().unwrap();
+        assert_eq!(t.base_urls().collect::<Vec<_>>(), ["http://a:1", "http://b:2"]);
+        assert_eq!([t.url_for(0), t.url_for(1), t.url_for(2)], ["http://a:1", "http://b:2", "http://a:1"]);
+        assert!("gw=http://a:1,ftp://b".parse::<Target>().is_err());
         assert!("a=ftp://x".parse::<Target>().is_err());
     }
 }

@@ -115,7 +115,9 @@ pub async fn execute(
     let mut summaries = Vec::new();
     for (point, load) in plan.loads.iter().enumerate() {
         for target in &plan.targets {
-            client.prewarm(&target.base_url, a.prewarm_connections).await?;
+            for url in target.base_urls() {
+                client.prewarm(url, a.prewarm_connections).await?;
+            }
             let label = format!("{} {}", target.name, load.label());
             let pb = runner::progress_bar(plan.requests, &label);
             let result = runner::run_point(plan, &client, target, point, pb).await;

@@ -152,7 +152,7 @@ impl Shared {
         let start_ms = self.started.elapsed().as_secs_f64() * 1e3;
         let record = RequestRecord::started(&self.target.name, id, self.point, start_ms, id < self.plan.warmup);
         let call = Call {
-            target: &self.target,
+            base_url: self.target.url_for(id),
             endpoint: self.plan.endpoint,
             body: request_body(&self.plan, spec),
             stream: self.plan.stream,

@@ -4,7 +4,7 @@
 //! where. The canonical prompt text is cut into fixed-size blocks of `block_bytes` bytes
 //! (about one KV block of tokens) and each block gets a chained hash
 //! `h_i = hash(h_{i-1}, block_i)`, so equal hashes mean equal whole prefixes
-//! ([`block_hashes`]). At dispatch the request's hashes are inserted for the chosen backend
+//! (`block_hashes`, computed as the prompt renders by `request::canonical_prompt_blocks`). At dispatch the request's hashes are inserted for the chosen backend
 //! ([`PrefixIndex::insert`]); a new request asks, per backend, how many of its leading
 //! blocks that backend has seen ([`PrefixIndex::matches`]).
 //!
@@ -24,12 +24,18 @@ pub const ENTRY_BYTES: usize = 64;
 /// Memory charged per recency-queue slot.
 pub const SLOT_BYTES: usize = 16;
 
+/// The seed of a prompt's first block hash.
+pub const BLOCK_HASH_SEED: u64 = 0x5157_4954_4348_5944;
+
 /// Chained 64-bit hashes of the full `block_bytes`-sized blocks of `text` (a trailing
-/// partial block is not hashed: it cannot be a cached prefix yet).
+/// partial block is not hashed: it cannot be a cached prefix yet). The request path hashes
+/// as it renders ([`crate::request::canonical_prompt_blocks`]); this is the definition it is
+/// checked against.
+#[cfg(any(test, feature = "fuzzing"))]
 pub fn block_hashes(text: &[u8], block_bytes: usize) -> Vec<u64> {
     assert!(block_bytes > 0, "block_bytes must be > 0");
     let mut out = Vec::with_capacity(text.len() / block_bytes);
-    let mut parent = 0x5157_4954_4348_5944u64;
+    let mut parent = BLOCK_HASH_SEED;
     for block in text.chunks_exact(block_bytes) {
         parent = xxhash_rust::xxh3::xxh3_64_with_seed(block, parent);
         out.push(parent);

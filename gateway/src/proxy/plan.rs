@@ -9,8 +9,7 @@ use pingora::http::RequestHeader;
 use crate::auth::Tenant;
 use crate::error::ProxyError;
 use crate::kv_events::subscriber::{KvEventsShared, PrecisePrompt};
-use crate::policy::prefix_index::block_hashes;
-use crate::request::{canonical_prompt, routing_fields};
+use crate::request::{canonical_prompt_blocks, routing_fields};
 use crate::state::Active;
 
 /// What a request will be routed and charged as.
@@ -101,9 +100,9 @@ impl RoutePlan {
         let policy = &active.policy;
         let pcfg = &active.config.prefix_index;
         if policy.uses_prefix() {
-            let text = canonical_prompt(body);
-            self.hashes = block_hashes(text.as_bytes(), pcfg.block_bytes);
-            self.prompt_tokens = pcfg.tokens(text.len());
+            let (hashes, len) = canonical_prompt_blocks(body, pcfg.block_bytes);
+            self.hashes = hashes;
+            self.prompt_tokens = pcfg.tokens(len);
             if self.precise.is_none() {
                 self.precise = kv.and_then(|kv| kv.precise_prompt(body));
             }

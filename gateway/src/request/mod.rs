@@ -21,7 +21,9 @@ use serde_json::value::RawValue;
 use crate::error::ProxyError;
 
 pub use content::ContentDetector;
+#[cfg(any(test, feature = "fuzzing"))]
 pub use prompt::canonical_prompt;
+pub use prompt::canonical_prompt_blocks;
 #[cfg(feature = "fuzzing")]
 pub use prompt::canonical_prompt_from_tree;
 

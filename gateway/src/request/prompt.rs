@@ -19,10 +19,99 @@ use std::fmt;
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 
-/// The canonical prompt of `body` (see the module docs).
+/// The canonical prompt of `body` (see the module docs). The request path needs only its
+/// block hashes ([`canonical_prompt_blocks`]); the text is for tests and the fuzz target.
+#[cfg(any(test, feature = "fuzzing"))]
 pub fn canonical_prompt(body: &[u8]) -> String {
+    render(body, String::new())
+}
+
+/// The chained block hashes of `body`'s canonical prompt (what
+/// [`block_hashes`](crate::policy::prefix_index::block_hashes) gives for
+/// [`canonical_prompt`]) and the text's length, without keeping the text: the gateway holds a
+/// body, not a body and a copy of its prompt.
+pub fn canonical_prompt_blocks(body: &[u8], block_bytes: usize) -> (Vec<u64>, usize) {
+    let hasher = render(body, BlockHasher::new(block_bytes, 0));
+    (hasher.hashes, hasher.len)
+}
+
+fn render<S: PromptSink>(body: &[u8], proto: S) -> S {
     let mut de = serde_json::Deserializer::from_slice(body);
-    (Request { capacity: body.len() }).deserialize(&mut de).and_then(|text| de.end().map(|()| text)).unwrap_or_default()
+    let empty = proto.fresh(0);
+    (Request { capacity: body.len(), proto })
+        .deserialize(&mut de)
+        .and_then(|text| de.end().map(|()| text))
+        .unwrap_or(empty)
+}
+
+/// Where the visitor writes the canonical text: a `String`, or a [`BlockHasher`].
+pub trait PromptSink: fmt::Write {
+    /// An empty sink like this one, for about `capacity` bytes of text (a `prompt` and a
+    /// `messages` are rendered apart: the latter wins, whichever comes first).
+    fn fresh(&self, capacity: usize) -> Self;
+
+    /// Append `s`.
+    fn put(&mut self, s: &str) {
+        let _ = self.write_str(s);
+    }
+}
+
+impl PromptSink for String {
+    fn fresh(&self, capacity: usize) -> Self {
+        String::with_capacity(capacity)
+    }
+}
+
+/// Hashes text block by block as it is written: chained 64-bit hashes of each full
+/// `block_bytes`-sized block, as [`block_hashes`](crate::policy::prefix_index::block_hashes)
+/// computes them over the whole text, keeping one partial block.
+#[derive(Debug, Clone)]
+pub struct BlockHasher {
+    block_bytes: usize,
+    partial: Vec<u8>,
+    parent: u64,
+    /// The hashes of the full blocks so far.
+    pub hashes: Vec<u64>,
+    /// Bytes written.
+    pub len: usize,
+}
+
+impl BlockHasher {
+    /// A hasher of `block_bytes`-sized blocks, with room for about `capacity` bytes of text.
+    pub fn new(block_bytes: usize, capacity: usize) -> Self {
+        assert!(block_bytes > 0, "block_bytes must be > 0");
+        BlockHasher {
+            block_bytes,
+            partial: Vec::with_capacity(block_bytes),
+            parent: crate::policy::prefix_index::BLOCK_HASH_SEED,
+            hashes: Vec::with_capacity(capacity / block_bytes),
+            len: 0,
+        }
+    }
+}
+
+impl fmt::Write for BlockHasher {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        self.len += s.len();
+        let mut rest = s.as_bytes();
+        while !rest.is_empty() {
+            let take = (self.block_bytes - self.partial.len()).min(rest.len());
+            self.partial.extend_from_slice(&rest[..take]);
+            rest = &rest[take..];
+            if self.partial.len() == self.block_bytes {
+                self.parent = xxhash_rust::xxh3::xxh3_64_with_seed(&self.partial, self.parent);
+                self.hashes.push(self.parent);
+                self.partial.clear();
+            }
+        }
+        Ok(())
+    }
+}
+
+impl PromptSink for BlockHasher {
+    fn fresh(&self, capacity: usize) -> Self {
+        BlockHasher::new(self.block_bytes, capacity)
+    }
 }
 
 /// The fields of a request object that make up the prompt.
@@ -60,30 +149,33 @@ impl<'de> Deserialize<'de> for Field {
 
 /// The top-level object: renders `messages` if present (and not null), else `prompt`.
 /// `capacity`: the body's length, about the most text it renders (one allocation, no
-/// copies while the text grows).
-struct Request {
+/// copies while the text grows); `proto`: the kind of sink to render into.
+struct Request<S> {
     capacity: usize,
+    proto: S,
 }
 
-impl<'de> DeserializeSeed<'de> for Request {
-    type Value = String;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<String, D::Error> {
+impl<'de, S: PromptSink> DeserializeSeed<'de> for Request<S> {
+    type Value = S;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<S, D::Error> {
         d.deserialize_map(self)
     }
 }
 
-impl<'de> Visitor<'de> for Request {
-    type Value = String;
+impl<'de, S: PromptSink> Visitor<'de> for Request<S> {
+    type Value = S;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a request object")
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<String, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<S, A::Error> {
         let (mut messages, mut prompt) = (None, None);
         while let Some(key) = map.next_key::<Field>()? {
             match key {
-                Field::Messages => messages = map.next_value_seed(Messages { capacity: self.capacity })?,
+                Field::Messages => {
+                    messages = map.next_value_seed(Messages { capacity: self.capacity, proto: &self.proto })?
+                }
                 Field::Prompt => {
-                    let mut out = String::with_capacity(self.capacity);
+                    let mut out = self.proto.fresh(self.capacity);
                     map.next_value_seed(Content { out: &mut out })?;
                     prompt = Some(out);
                 }
@@ -92,32 +184,33 @@ impl<'de> Visitor<'de> for Request {
                 }
             }
         }
-        Ok(messages.or(prompt).unwrap_or_default())
+        Ok(messages.or(prompt).unwrap_or_else(|| self.proto.fresh(0)))
     }
 }
 
 /// `messages`: null (absent) or an array of message objects.
-struct Messages {
+struct Messages<'p, S> {
     capacity: usize,
+    proto: &'p S,
 }
 
-impl<'de> DeserializeSeed<'de> for Messages {
-    type Value = Option<String>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<String>, D::Error> {
+impl<'de, S: PromptSink> DeserializeSeed<'de> for Messages<'_, S> {
+    type Value = Option<S>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<S>, D::Error> {
         d.deserialize_any(self)
     }
 }
 
-impl<'de> Visitor<'de> for Messages {
-    type Value = Option<String>;
+impl<'de, S: PromptSink> Visitor<'de> for Messages<'_, S> {
+    type Value = Option<S>;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("an array of messages")
     }
-    fn visit_unit<E>(self) -> Result<Option<String>, E> {
+    fn visit_unit<E>(self) -> Result<Option<S>, E> {
         Ok(None)
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<String>, A::Error> {
-        let mut out = String::with_capacity(self.capacity);
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<S>, A::Error> {
+        let mut out = self.proto.fresh(self.capacity);
         // One message's content, kept until its object ends (its role may come after it).
         let mut content = String::new();
         while seq.next_element_seed(Message { out: &mut out, content: &mut content })?.is_some() {}
@@ -126,19 +219,19 @@ impl<'de> Visitor<'de> for Messages {
 }
 
 /// One message object, appended to `out` as `<|role|>\n{content}\n`.
-struct Message<'a> {
-    out: &'a mut String,
+struct Message<'a, S> {
+    out: &'a mut S,
     content: &'a mut String,
 }
 
-impl<'de> DeserializeSeed<'de> for Message<'_> {
+impl<'de, S: PromptSink> DeserializeSeed<'de> for Message<'_, S> {
     type Value = ();
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
         d.deserialize_map(self)
     }
 }
 
-impl<'de> Visitor<'de> for Message<'_> {
+impl<'de, S: PromptSink> Visitor<'de> for Message<'_, S> {
     type Value = ();
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a message object")
@@ -158,35 +251,35 @@ impl<'de> Visitor<'de> for Message<'_> {
                 }
             }
         }
-        self.out.push_str("<|");
-        self.out.push_str(role.as_deref().unwrap_or(""));
-        self.out.push_str("|>\n");
-        self.out.push_str(self.content);
-        self.out.push('\n');
+        self.out.put("<|");
+        self.out.put(role.as_deref().unwrap_or(""));
+        self.out.put("|>\n");
+        self.out.put(self.content);
+        self.out.put("\n");
         Ok(())
     }
 }
 
 /// A prompt or a message's content: a string as is; an array item by item ([`Item`]);
 /// anything else adds nothing.
-struct Content<'a> {
-    out: &'a mut String,
+struct Content<'a, S> {
+    out: &'a mut S,
 }
 
-impl<'de> DeserializeSeed<'de> for Content<'_> {
+impl<'de, S: PromptSink> DeserializeSeed<'de> for Content<'_, S> {
     type Value = ();
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
         d.deserialize_any(self)
     }
 }
 
-impl<'de> Visitor<'de> for Content<'_> {
+impl<'de, S: PromptSink> Visitor<'de> for Content<'_, S> {
     type Value = ();
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a prompt")
     }
     fn visit_str<E>(self, v: &str) -> Result<(), E> {
-        self.out.push_str(v);
+        self.out.put(v);
         Ok(())
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
@@ -220,16 +313,15 @@ impl<'de> Visitor<'de> for Content<'_> {
 /// One item of a content array: a content part (`{"type":"text","text":…}`) adds its text;
 /// a token id adds itself, after a space unless first; anything else is a nested content,
 /// after a newline unless first.
-struct Item<'a> {
-    out: &'a mut String,
+struct Item<'a, S> {
+    out: &'a mut S,
     first: bool,
 }
 
-impl Item<'_> {
+impl<S: PromptSink> Item<'_, S> {
     fn number(self, n: impl fmt::Display) {
-        use fmt::Write;
         if !self.first {
-            self.out.push(' ');
+            self.out.put(" ");
         }
         let _ = write!(self.out, "{n}");
     }
@@ -237,19 +329,19 @@ impl Item<'_> {
     /// A nested content's separator.
     fn newline(&mut self) {
         if !self.first {
-            self.out.push('\n');
+            self.out.put("\n");
         }
     }
 }
 
-impl<'de> DeserializeSeed<'de> for Item<'_> {
+impl<'de, S: PromptSink> DeserializeSeed<'de> for Item<'_, S> {
     type Value = ();
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
         d.deserialize_any(self)
     }
 }
 
-impl<'de> Visitor<'de> for Item<'_> {
+impl<'de, S: PromptSink> Visitor<'de> for Item<'_, S> {
     type Value = ();
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a prompt item")
@@ -265,7 +357,7 @@ impl<'de> Visitor<'de> for Item<'_> {
             }
         }
         if let Some(t) = text {
-            self.out.push_str(&t);
+            self.out.put(&t);
         }
         Ok(())
     }
@@ -287,7 +379,7 @@ impl<'de> Visitor<'de> for Item<'_> {
     }
     fn visit_str<E>(mut self, v: &str) -> Result<(), E> {
         self.newline();
-        self.out.push_str(v);
+        self.out.put(v);
         Ok(())
     }
     fn visit_seq<A: SeqAccess<'de>>(mut self, seq: A) -> Result<(), A::Error> {
@@ -491,5 +583,19 @@ mod tests {
         let text = canonical_prompt(body.as_bytes());
         assert_eq!(text.len(), 2 * 512 * 1024 + 1);
         assert_eq!(Some(text), canonical_prompt_from_tree(body.as_bytes()));
+    }
+
+    #[test]
+    fn block_hashes_come_out_the_same_without_the_text() {
+        use crate::policy::prefix_index::block_hashes;
+        let chat = br#"{"messages":[{"role":"system","content":"be brief, be kind, be exact"},{"content":[{"type":"text","text":"tell me"},{"type":"text","text":" a story"}],"role":"user"}],"prompt":"x"}"#;
+        let ids = br#"{"prompt":[[1,2,3],4,"five",{"text":"six"}],"model":"m"}"#;
+        for body in [&chat[..], ids, br#"{"prompt":"p","messages":null}"#, b"{}", b"not json"] {
+            let text = canonical_prompt(body);
+            for block_bytes in [1, 3, 7, 64] {
+                let (hashes, len) = canonical_prompt_blocks(body, block_bytes);
+                assert_eq!((hashes, len), (block_hashes(text.as_bytes(), block_bytes), text.len()));
+            }
+        }
     }
 }
