@@ -73,7 +73,14 @@ impl AdminApp {
                 })
             })
             .collect();
-        serde_json::json!({ "policy": active.policy.name(), "backends": backends })
+        let tokenizer = self.state.kv_events.as_ref().filter(|k| k.tokenizer.is_some()).map(|k| {
+            let (hits, misses) = k.pieces.counts();
+            serde_json::json!({
+                "piecewise": !k.pieces.is_off(), "cache_hits": hits, "cache_misses": misses,
+                "cache_bytes": k.pieces.bytes(),
+            })
+        });
+        serde_json::json!({ "policy": active.policy.name(), "backends": backends, "tokenizer": tokenizer })
     }
 }
 

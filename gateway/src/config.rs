@@ -148,6 +148,9 @@ pub struct KvEventsConfig {
     /// does, so their blocks can be looked up in the index. Without it the index is built
     /// but routing uses the approximate prefix index only.
     pub tokenizer: Option<std::path::PathBuf>,
+    /// Token ids of long prompt pieces (between the tokenizer's special tokens: a system
+    /// prompt, a conversation's turns) kept for the requests that repeat them.
+    pub tokenizer_cache_bytes: usize,
     /// For discovered engines (DNS, Kubernetes): their PUB socket is `tcp://<address>:<port>`.
     pub port: Option<u16>,
     /// … and their replay ROUTER socket `tcp://<address>:<replay_port>`.
@@ -158,7 +161,14 @@ pub struct KvEventsConfig {
 
 impl Default for KvEventsConfig {
     fn default() -> Self {
-        KvEventsConfig { block_size: 16, tokenizer: None, port: None, replay_port: None, max_bytes: 64 * 1024 * 1024 }
+        KvEventsConfig {
+            block_size: 16,
+            tokenizer: None,
+            tokenizer_cache_bytes: 32 * 1024 * 1024,
+            port: None,
+            replay_port: None,
+            max_bytes: 64 * 1024 * 1024,
+        }
     }
 }
 

@@ -118,10 +118,14 @@ impl GatewayState {
         // connections go to `pool`), so its size does not matter.
         let mut connector_options = pingora::connectors::ConnectorOptions::new(128);
         connector_options.ca_file = config.upstream_tls.ca_file.clone();
-        let config_kv_events = config
-            .kv_events
-            .as_ref()
-            .map(|k| crate::kv_events::subscriber::KvEventsShared::new(k.block_size, k.max_bytes, tokenizer));
+        let config_kv_events = config.kv_events.as_ref().map(|k| {
+            crate::kv_events::subscriber::KvEventsShared::new(
+                k.block_size,
+                k.max_bytes,
+                tokenizer,
+                k.tokenizer_cache_bytes,
+            )
+        });
         let r = &config.retries;
         let retry_budget = RetryBudget::new(r.budget_percent, r.min_retries_per_second, std::time::Instant::now());
         Arc::new(GatewayState {

@@ -9,10 +9,12 @@
 
 pub mod gguf;
 mod model;
+pub mod pieces;
 
 use std::path::{Path, PathBuf};
 
 pub use model::{ModelTokenizer, TokenizerError};
+pub use pieces::PieceCache;
 
 /// A token id.
 pub type TokenId = u32;

@@ -18,6 +18,7 @@ use std::path::PathBuf;
 use serde_json::{json, Value as Json};
 
 use crate::gguf::{GgufError, Header, Value};
+use crate::pieces::{Piece, PieceCache, PieceSplitter, MIN_CACHED_BYTES};
 use crate::{ChatMessage, TokenId};
 
 /// Why a tokenizer cannot be built or used.
@@ -72,6 +73,8 @@ pub struct ModelTokenizer {
     bos_text: String,
     eos_text: String,
     template: Option<minijinja::Environment<'static>>,
+    /// How text is cut at added tokens (`None`: some added token does not match plainly).
+    pieces: Option<PieceSplitter>,
 }
 
 impl fmt::Debug for ModelTokenizer {
@@ -157,7 +160,8 @@ impl ModelTokenizer {
         if eos as usize >= tokens.len() {
             return Err(meta_err("tokenizer.ggml.eos_token_id", format!("{eos} is outside the vocabulary")));
         }
-        Ok(Self { inner, eos, bos_text, eos_text: tokens[eos as usize].to_string(), template })
+        let pieces = splitter(&inner);
+        Ok(Self { inner, eos, bos_text, eos_text: tokens[eos as usize].to_string(), template, pieces })
     }
 
     /// Build from an HF `tokenizer.json` document, with the special tokens and template of
@@ -176,7 +180,8 @@ impl ModelTokenizer {
             .ok_or_else(|| meta_err("eos_token", format!("`{eos_text}` is not in the vocabulary")))?;
         let template =
             config.and_then(|c| c.get("chat_template")).and_then(Json::as_str).map(compile_template).transpose()?;
-        Ok(Self { inner, eos, bos_text: special("bos_token").unwrap_or_default(), eos_text, template })
+        let pieces = splitter(&inner);
+        Ok(Self { inner, eos, bos_text: special("bos_token").unwrap_or_default(), eos_text, template, pieces })
     }
 
     /// Render a conversation with the model's chat template and a generation prompt
@@ -219,6 +224,32 @@ impl ModelTokenizer {
         }
     }
 
+    /// [`Self::encode`], piece by piece between the added tokens, with the ids of long pieces
+    /// remembered in `cache` (see [`crate::pieces`]): a prompt that repeats a long system
+    /// prompt or conversation costs the tokenization of what is new in it.
+    pub fn encode_cached(&self, text: &str, cache: &PieceCache) -> Vec<TokenId> {
+        let Some(splitter) = self.pieces.as_ref().filter(|_| !cache.is_off()) else {
+            return self.encode(text);
+        };
+        let mut out = Vec::with_capacity(text.len() / 3);
+        for piece in splitter.split(text) {
+            match piece {
+                Piece::Added(id) => out.push(id),
+                Piece::Text(t) if t.len() < MIN_CACHED_BYTES => out.extend(self.encode(t)),
+                Piece::Text(t) => out.extend_from_slice(&cache.get_or_encode(t, |t| self.encode(t))),
+            }
+        }
+        if cache.check_now() {
+            let whole = self.encode(text);
+            if whole != out {
+                tracing::warn!("piecewise tokenization differs from whole-text tokenization; turned off");
+                cache.turn_off();
+                return whole;
+            }
+        }
+        out
+    }
+
     /// Token ids → text; ids that cannot be decoded give U+FFFD.
     pub fn decode(&self, ids: &[TokenId]) -> String {
         self.inner.decode(ids, true).unwrap_or_else(|_| "\u{FFFD}".to_string())
@@ -228,6 +259,15 @@ impl ModelTokenizer {
     pub fn eos_token_id(&self) -> TokenId {
         self.eos
     }
+}
+
+/// The splitter for `inner`'s added tokens, when they all match plainly on the raw text.
+fn splitter(inner: &tokenizers::Tokenizer) -> Option<PieceSplitter> {
+    let has_normalizer = inner.get_normalizer().is_some();
+    PieceSplitter::new(inner.get_added_tokens_decoder().into_iter().map(|(id, t)| {
+        let plain = !(t.single_word || t.lstrip || t.rstrip || (t.normalized && has_normalizer));
+        (t.content, id, plain)
+    }))
 }
 
 fn describe(e: &minijinja::Error) -> String {

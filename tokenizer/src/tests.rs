@@ -80,14 +80,38 @@ fn a_bad_file_is_an_error_that_names_it() {
     std::fs::remove_file(cut).unwrap();
 }
 
-#[test]
-fn the_default_model_file_loads_by_its_path() {
-    // The model `scripts/setup.sh` fetches (the test suite's command runs it first).
+/// The model `scripts/setup.sh` fetches (the test suite's command runs it first).
+fn default_model() -> ModelTokenizer {
     let path = std::env::var_os("SWITCHYARD_MODEL_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/models"))
         .join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    let t = load(&path).unwrap_or_else(|e| panic!("{e} (scripts/setup.sh fetches the model)"));
+    load(&path).unwrap_or_else(|e| panic!("{e} (scripts/setup.sh fetches the model)"))
+}
+
+#[test]
+fn piecewise_tokenization_with_a_cache_gives_the_whole_texts_ids() {
+    let t = default_model();
+    let cache = PieceCache::new(1 << 20);
+    let system: String = (0..40).map(|i| format!("Rule {i}: never say 'x{i}' twice; café ✓ 2024. ")).collect();
+    for n in 0..60 {
+        let mut chat = vec![ChatMessage { role: "system".into(), content: system.clone() }];
+        for turn in 0..(n % 4) {
+            chat.push(ChatMessage { role: "user".into(), content: format!("question {turn} of {n}: why   <not>?\n") });
+            chat.push(ChatMessage { role: "assistant".into(), content: format!("because {turn}{n}!  ") });
+        }
+        chat.push(ChatMessage { role: "user".into(), content: format!("and now {n}?") });
+        let text = t.render(&chat).unwrap();
+        assert_eq!(t.encode_cached(&text, &cache), t.encode(&text), "conversation {n}");
+    }
+    let (hits, misses) = cache.counts();
+    assert!(!cache.is_off(), "every checked result agreed");
+    assert!(hits > 50 && misses < 40, "the shared system prompt is tokenized once: {hits} hits, {misses} misses");
+}
+
+#[test]
+fn the_default_model_file_loads_by_its_path() {
+    let t = default_model();
     assert!(t.has_chat_template());
     assert_eq!(t.encode("<|im_start|>"), vec![1]);
     let text = t.render(&user("Hi")).unwrap();

@@ -22,7 +22,7 @@ use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use switchyard_tokenizer::ModelTokenizer;
+use switchyard_tokenizer::{ModelTokenizer, PieceCache};
 
 use super::index::{prompt_keys, Applied, BlockKey, EngineSlot, KvIndex, MAX_ENGINES};
 use super::wire::{decode_batch, EventBatch};
@@ -64,6 +64,8 @@ pub struct KvEventsShared {
     /// The served model's tokenizer (`kv_events.tokenizer`): without it requests have no
     /// block keys and routing uses the approximate index alone.
     pub tokenizer: Option<Arc<ModelTokenizer>>,
+    /// Token ids of prompt pieces seen before (`kv_events.tokenizer_cache_bytes`).
+    pub pieces: PieceCache,
 }
 
 /// A request's prompt as the engines will cache it.
@@ -77,19 +79,25 @@ pub struct PrecisePrompt {
 
 impl KvEventsShared {
     /// An empty index for `block_size`-token blocks within `max_bytes`; requests are
-    /// tokenized with `tokenizer`, when given.
-    pub fn new(block_size: usize, max_bytes: usize, tokenizer: Option<Arc<ModelTokenizer>>) -> Arc<Self> {
+    /// tokenized with `tokenizer`, when given, remembering up to `cache_bytes` of pieces.
+    pub fn new(
+        block_size: usize,
+        max_bytes: usize,
+        tokenizer: Option<Arc<ModelTokenizer>>,
+        cache_bytes: usize,
+    ) -> Arc<Self> {
         Arc::new(KvEventsShared {
             index: Mutex::new(KvIndex::new(block_size, max_bytes)),
             streams: Mutex::default(),
             tokenizer,
+            pieces: PieceCache::new(cache_bytes),
         })
     }
 
     /// The prompt of `body` tokenized as the engine will (`None` without a tokenizer, or for
     /// a body with no single prompt: see [`crate::request::tokens`]).
     pub fn precise_prompt(&self, body: &[u8]) -> Option<PrecisePrompt> {
-        let ids = prompt_token_ids(body, self.tokenizer.as_deref()?)?;
+        let ids = prompt_token_ids(body, self.tokenizer.as_deref()?, &self.pieces)?;
         let block_size = self.index.lock().block_size();
         Some(PrecisePrompt { keys: prompt_keys(&ids, block_size), tokens: ids.len() as u64 })
     }
@@ -366,7 +374,7 @@ mod tests {
 
     #[test]
     fn live_engines_match_by_the_blocks_they_hold_and_the_others_are_left_to_the_approximate_index() {
-        let shared = KvEventsShared::new(4, 1 << 30, Some(letters()));
+        let shared = KvEventsShared::new(4, 1 << 30, Some(letters()), 1 << 20);
         let body = br#"{"messages":[{"role":"user","content":"hello world"}]}"#;
         let prompt = shared.precise_prompt(body).expect("a chat tokenizes");
         // `<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n`, a token a character.
@@ -404,6 +412,6 @@ mod tests {
         let ids = shared.precise_prompt(br#"{"prompt":[1,2,3,4,5]}"#).unwrap();
         assert_eq!((ids.tokens, ids.keys.len()), (5, 1));
         assert_eq!(shared.precise_prompt(br#"{"prompt":["a","b"]}"#), None);
-        assert_eq!(KvEventsShared::new(4, 1 << 30, None).precise_prompt(body), None, "no tokenizer, no keys");
+        assert_eq!(KvEventsShared::new(4, 1 << 30, None, 1 << 20).precise_prompt(body), None, "no tokenizer, no keys");
     }
 }

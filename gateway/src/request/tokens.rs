@@ -15,7 +15,7 @@ use std::fmt;
 
 use serde::de::{Deserializer, IgnoredAny, SeqAccess, Visitor};
 use serde::Deserialize;
-use switchyard_tokenizer::{ChatMessage, ModelTokenizer, TokenId};
+use switchyard_tokenizer::{ChatMessage, ModelTokenizer, PieceCache, TokenId};
 
 /// A request's prompt, before tokenization.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,11 +44,12 @@ pub fn prompt_input(body: &[u8]) -> Option<PromptInput> {
 }
 
 /// The token ids the engine prefills for `body`, rendered and tokenized with `tokenizer`
-/// (`None` as for [`prompt_input`], or when the chat template rejects the conversation).
-pub fn prompt_token_ids(body: &[u8], tokenizer: &ModelTokenizer) -> Option<Vec<TokenId>> {
+/// (`None` as for [`prompt_input`], or when the chat template rejects the conversation);
+/// pieces seen before (a shared system prompt, earlier turns) come from `cache`.
+pub fn prompt_token_ids(body: &[u8], tokenizer: &ModelTokenizer, cache: &PieceCache) -> Option<Vec<TokenId>> {
     match prompt_input(body)? {
-        PromptInput::Chat(messages) => Some(tokenizer.encode(&tokenizer.render(&messages).ok()?)),
-        PromptInput::Text(text) => Some(tokenizer.encode(&text)),
+        PromptInput::Chat(messages) => Some(tokenizer.encode_cached(&tokenizer.render(&messages).ok()?, cache)),
+        PromptInput::Text(text) => Some(tokenizer.encode_cached(&text, cache)),
         PromptInput::Ids(ids) => Some(ids),
     }
 }
