@@ -18,6 +18,7 @@ python3 -c 'import ensurepip, venv' 2>/dev/null || need_apt+=(python3-venv)
 # CRD schemas with the kubernetes-models validators (npm packages, .cache/chart-npm).
 command -v node >/dev/null || need_apt+=(nodejs)
 command -v npm >/dev/null || need_apt+=(npm)
+command -v redis-server >/dev/null || need_apt+=(redis-server)   # shared tenant limits' tests
 if ((${#need_apt[@]})); then
   echo "setup: installing ${need_apt[*]} (apt)"
   if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"; \

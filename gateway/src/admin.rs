@@ -80,7 +80,15 @@ impl AdminApp {
                 "cache_bytes": k.pieces.bytes(),
             })
         });
-        serde_json::json!({ "policy": active.policy.name(), "backends": backends, "tokenizer": tokenizer })
+        let shared_limits = self
+            .state
+            .shared_limits
+            .as_ref()
+            .map(|l| serde_json::json!({ "replicas_seen": l.replicas(), "redis_available": l.is_available() }));
+        serde_json::json!({
+            "policy": active.policy.name(), "backends": backends, "tokenizer": tokenizer,
+            "shared_limits": shared_limits,
+        })
     }
 }
 

@@ -40,11 +40,19 @@ pub struct AuthConfig {
     pub keys_env: Option<String>,
     /// `max_tokens` assumed for token budgets when a request does not set it.
     pub default_max_tokens: u64,
+    /// Keep the keys' limits in Redis, shared by every replica (read at start).
+    pub shared_limits: Option<crate::shared_limits::SharedLimitsConfig>,
 }
 
 impl Default for AuthConfig {
     fn default() -> Self {
-        AuthConfig { keys: Vec::new(), keys_file: None, keys_env: None, default_max_tokens: DEFAULT_MAX_TOKENS }
+        AuthConfig {
+            keys: Vec::new(),
+            keys_file: None,
+            keys_env: None,
+            default_max_tokens: DEFAULT_MAX_TOKENS,
+            shared_limits: None,
+        }
     }
 }
 
@@ -130,6 +138,9 @@ impl AuthConfig {
     /// [`Self::check_files`]'s).
     pub fn validate(&self, errs: &mut Errors) {
         validate_keys(&self.keys, 0, errs);
+        if let Some(s) = &self.shared_limits {
+            s.validate(errs);
+        }
     }
 
     /// Read `keys_file` and `keys_env` now and check the keys they hold; a key listed twice
@@ -261,6 +272,45 @@ pub struct Tenant {
     requests: Option<DefaultDirectRateLimiter>,
     /// Token budget, if any.
     pub tokens: Option<TokenBudget>,
+    /// While shared limits cannot be reached: this key's limits divided by the replicas seen.
+    fallback: Mutex<Option<Arc<FallbackLimits>>>,
+}
+
+/// A key's limits divided among `replicas` replicas: what one replica enforces while the
+/// shared limits in Redis cannot be reached.
+pub struct FallbackLimits {
+    /// The divisor.
+    pub replicas: u32,
+    requests: Option<DefaultDirectRateLimiter>,
+    /// The budget's share.
+    pub tokens: Option<TokenBudget>,
+}
+
+impl FallbackLimits {
+    /// Count one request against the rate's share.
+    pub fn check_rate(&self) -> Result<(), Duration> {
+        check(self.requests.as_ref())
+    }
+}
+
+fn check(limiter: Option<&DefaultDirectRateLimiter>) -> Result<(), Duration> {
+    match limiter {
+        None => Ok(()),
+        Some(l) => l.check().map_err(|not_until| not_until.wait_time_from(DefaultClock::default().now())),
+    }
+}
+
+/// The burst of a key: configured, else its rate rounded up (at least 1).
+fn burst_of(config: &ApiKeyConfig) -> u32 {
+    config.burst.unwrap_or(config.requests_per_second.unwrap_or(1.0).ceil().max(1.0) as u32).max(1)
+}
+
+/// GCRA for a key's rate (and burst) divided by `replicas`.
+fn rate_limiter(config: &ApiKeyConfig, replicas: u32) -> Option<DefaultDirectRateLimiter> {
+    let rps = config.requests_per_second? / f64::from(replicas.max(1));
+    let burst = (burst_of(config) / replicas.max(1)).max(1);
+    Quota::with_period(Duration::from_secs_f64(1.0 / rps))
+        .map(|q| RateLimiter::direct(q.allow_burst(NonZeroU32::new(burst).expect("at least 1"))))
 }
 
 impl std::fmt::Debug for Tenant {
@@ -271,21 +321,55 @@ impl std::fmt::Debug for Tenant {
 
 impl Tenant {
     fn new(config: ApiKeyConfig) -> Self {
-        let requests = config.requests_per_second.and_then(|rps| {
-            let burst = config.burst.unwrap_or(rps.ceil().max(1.0) as u32);
-            Quota::with_period(Duration::from_secs_f64(1.0 / rps))
-                .map(|q| RateLimiter::direct(q.allow_burst(NonZeroU32::new(burst.max(1)).expect("at least 1"))))
-        });
+        let requests = rate_limiter(&config, 1);
         let tokens = config.tokens_per_minute.map(|t| TokenBudget::new(t, Instant::now()));
-        Tenant { name: config.tenant.clone(), priority: config.priority, requests, tokens, config }
+        Tenant {
+            name: config.tenant.clone(),
+            priority: config.priority,
+            requests,
+            tokens,
+            config,
+            fallback: Mutex::default(),
+        }
+    }
+
+    /// The key's SHA-256 (hex): its name in shared limit state.
+    pub fn key_id(&self) -> &str {
+        &self.config.key_sha256
+    }
+
+    /// Requests per second and burst, when limited.
+    pub fn rate_limit(&self) -> Option<(f64, u32)> {
+        let rps = self.config.requests_per_second?;
+        Some((rps, burst_of(&self.config)))
+    }
+
+    /// Tokens per minute, when limited.
+    pub fn tokens_per_minute(&self) -> Option<u64> {
+        self.config.tokens_per_minute
+    }
+
+    /// This key's limits for one of `replicas` replicas (kept until that number changes).
+    pub fn fallback(&self, replicas: u32) -> Arc<FallbackLimits> {
+        let mut f = self.fallback.lock();
+        match f.as_ref() {
+            Some(limits) if limits.replicas == replicas => limits.clone(),
+            _ => {
+                let n = u64::from(replicas.max(1));
+                let limits = Arc::new(FallbackLimits {
+                    replicas,
+                    requests: rate_limiter(&self.config, replicas),
+                    tokens: self.config.tokens_per_minute.map(|t| TokenBudget::new((t / n).max(1), Instant::now())),
+                });
+                *f = Some(limits.clone());
+                limits
+            }
+        }
     }
 
     /// Count one request against the rate; on refusal, how long until one is allowed.
     pub fn check_rate(&self) -> Result<(), Duration> {
-        match &self.requests {
-            None => Ok(()),
-            Some(l) => l.check().map_err(|not_until| not_until.wait_time_from(DefaultClock::default().now())),
-        }
+        check(self.requests.as_ref())
     }
 }
 

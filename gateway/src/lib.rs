@@ -47,6 +47,7 @@ pub(crate) mod request;
 pub(crate) mod retry;
 pub(crate) mod scrape;
 pub(crate) mod server;
+pub(crate) mod shared_limits;
 pub(crate) mod state;
 pub(crate) mod tls;
 

@@ -64,6 +64,8 @@ pub struct GatewayMetrics {
     pub kv_event_gaps: IntCounterVec,
     /// Bytes the precise KV index charges.
     pub kv_index_bytes: IntGauge,
+    /// Limit decisions taken without Redis (`auth.shared_limits`), by decision.
+    pub shared_limits_unavailable: IntCounterVec,
     inflight: IntGaugeVec,
     waiting: GaugeVec,
     kv_usage: GaugeVec,
@@ -158,6 +160,13 @@ impl GatewayMetrics {
                 "switchyard_kv_index_bytes",
                 "Memory charged by the precise KV index (kv_events.max_bytes bounds it).",
             )?,
+            shared_limits_unavailable: IntCounterVec::new(
+                Opts::new(
+                    "switchyard_shared_limits_unavailable_total",
+                    "Tenant limit decisions taken without Redis (auth.shared_limits): local (limit / replicas), open, closed; settle_lost: a token settlement that did not reach Redis.",
+                ),
+                &["decision"],
+            )?,
             buffered_body_bytes: IntGauge::new(
                 "switchyard_buffered_body_bytes",
                 "Request body bytes held by the gateway now (limits.max_buffered_body_bytes caps it).",
@@ -195,6 +204,7 @@ impl GatewayMetrics {
         m.registry.register(Box::new(m.kv_event_batches.clone()))?;
         m.registry.register(Box::new(m.kv_event_gaps.clone()))?;
         m.registry.register(Box::new(m.kv_index_bytes.clone()))?;
+        m.registry.register(Box::new(m.shared_limits_unavailable.clone()))?;
         m.registry.register(Box::new(m.certificate_reloads.clone()))?;
         m.registry.register(Box::new(m.prefix_match_ratio.clone()))?;
         m.registry.register(Box::new(m.prefix_index_bytes.clone()))?;

@@ -153,6 +153,9 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
         let service = discovery::kubernetes::K8sDiscovery::new(publisher(), k);
         server.add_service(background_service("kubernetes-discovery", service));
     }
+    if let Some(limits) = state.shared_limits.clone() {
+        server.add_service(background_service("shared-limits", crate::shared_limits::Heartbeat(limits)));
+    }
     if let Some(shared) = state.kv_events.clone() {
         let service =
             crate::kv_events::subscriber::KvEventsService::new(state.active.clone(), shared, state.metrics.clone());

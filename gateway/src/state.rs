@@ -102,6 +102,8 @@ pub struct GatewayState {
     pub retry_budget: Mutex<RetryBudget>,
     /// The engines' KV events and the precise index they build (`kv_events` configured).
     pub kv_events: Option<Arc<crate::kv_events::subscriber::KvEventsShared>>,
+    /// Tenant limits kept in Redis for every replica (`auth.shared_limits`, read at start).
+    pub shared_limits: Option<Arc<crate::shared_limits::SharedLimits>>,
 }
 
 impl GatewayState {
@@ -126,6 +128,8 @@ impl GatewayState {
                 k.tokenizer_cache_bytes,
             )
         });
+        let shared_limits =
+            config.auth.shared_limits.clone().map(|c| crate::shared_limits::SharedLimits::new(c, metrics.clone()));
         let r = &config.retries;
         let retry_budget = RetryBudget::new(r.budget_percent, r.min_retries_per_second, std::time::Instant::now());
         Arc::new(GatewayState {
@@ -141,6 +145,7 @@ impl GatewayState {
             queue: AdmissionQueue::new(),
             retry_budget: Mutex::new(retry_budget),
             kv_events: config_kv_events,
+            shared_limits,
         })
     }
 
@@ -212,6 +217,9 @@ impl GatewayState {
         self.prefix.reconfigure(&config.prefix_index);
         let cluster = self.rebuild_cluster(&old.cluster, &backend_specs(&config, &self.discovered.load()));
         let auth = build_auth(&config, Some(&old.auth));
+        if old.config.auth.shared_limits != config.auth.shared_limits {
+            tracing::warn!("auth.shared_limits changes take effect after a restart");
+        }
         let r = &config.retries;
         self.retry_budget.lock().set_limits(r.budget_percent, r.min_retries_per_second);
         self.active.store(Arc::new(Active::new(config, cluster, auth)));

@@ -24,6 +24,7 @@ pub struct GatewayConfigBuilder {
     scrape: Scrape,
     auth_keys: Vec<ApiKey>,
     keys_file: Option<String>,
+    shared_limits: Option<String>,
     tls: Option<Tls>,
     upstream_ca: Option<String>,
     sections: Vec<(String, String)>,
@@ -153,6 +154,7 @@ impl GatewayConfigBuilder {
             },
             auth_keys: Vec::new(),
             keys_file: None,
+            shared_limits: None,
             tls: None,
             upstream_ca: None,
             sections: Vec::new(),
@@ -273,6 +275,12 @@ impl GatewayConfigBuilder {
         self
     }
 
+    /// `auth.shared_limits`, as a YAML flow mapping (`{ redis_url: …, … }`).
+    pub fn shared_limits(mut self, yaml: &str) -> GatewayConfigBuilder {
+        self.shared_limits = Some(yaml.to_string());
+        self
+    }
+
     /// TLS on the API listener with this default certificate.
     pub fn tls(mut self, cert_file: &str, key_file: &str) -> GatewayConfigBuilder {
         assert!(self.tls.is_none(), "tls set twice");
@@ -360,6 +368,9 @@ impl GatewayConfigBuilder {
             y.push_str("auth:\n");
             if let Some(f) = &self.keys_file {
                 let _ = writeln!(y, "  keys_file: {f}");
+            }
+            if let Some(l) = &self.shared_limits {
+                let _ = writeln!(y, "  shared_limits: {l}");
             }
             if !self.auth_keys.is_empty() {
                 y.push_str("  keys:\n");

@@ -271,3 +271,47 @@ impl Drop for ShimProc {
         let _ = self.child.wait();
     }
 }
+
+/// A `redis-server` on loopback (installed by `scripts/setup.sh`), with no persistence.
+pub struct RedisProc {
+    child: Child,
+    /// Where it listens.
+    pub addr: SocketAddr,
+}
+
+impl RedisProc {
+    /// Start on a free port; waits until it accepts connections.
+    pub fn start() -> RedisProc {
+        let port = free_port();
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn redis-server ({e}): scripts/setup.sh installs it"));
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let start = std::time::Instant::now();
+        while std::net::TcpStream::connect(addr).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(20), "redis-server did not listen within 20 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        RedisProc { child, addr }
+    }
+
+    /// `redis://addr`.
+    pub fn url(&self) -> String {
+        format!("redis://{}", self.addr)
+    }
+
+    /// SIGKILL: Redis gone, as when its pod dies.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for RedisProc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

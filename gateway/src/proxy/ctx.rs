@@ -13,6 +13,27 @@ use crate::body_budget::BodyReservation;
 use crate::error::ProxyError;
 use crate::request::UsageMeter;
 
+/// Which token budget a request was charged to.
+#[derive(Clone)]
+pub enum Ledger {
+    /// This replica's budget for the key.
+    Local,
+    /// The key's budget in Redis (`auth.shared_limits`).
+    Shared,
+    /// This replica's share while Redis could not be reached.
+    Fallback(Arc<crate::auth::FallbackLimits>),
+}
+
+impl std::fmt::Debug for Ledger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Ledger::Local => f.write_str("Local"),
+            Ledger::Shared => f.write_str("Shared"),
+            Ledger::Fallback(l) => write!(f, "Fallback(1/{})", l.replicas),
+        }
+    }
+}
+
 /// One request's state, from its head to its access-log line.
 #[derive(Debug)]
 pub(crate) struct RequestCtx {
@@ -32,6 +53,8 @@ pub(crate) struct RequestCtx {
     pub tenant: Option<Arc<Tenant>>,
     /// Charged to the tenant's token budget: (total, prompt estimate).
     pub charged: Option<(u64, u64)>,
+    /// Which budget the charge went to (where it is settled).
+    pub ledger: Ledger,
     /// What the response used, for settling the charge.
     pub usage: UsageMeter,
     /// Watches a streamed response for its first generated content (prefill-rate learning).
@@ -76,6 +99,7 @@ impl RequestCtx {
             stream: false,
             tenant: None,
             charged: None,
+            ledger: Ledger::Local,
             usage: UsageMeter::default(),
             content: crate::request::ContentDetector::default(),
             sse: false,

@@ -24,7 +24,7 @@ mod queue;
 mod stream;
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
@@ -36,14 +36,16 @@ use pingora::server::ShutdownWatch;
 use tokio::io::AsyncReadExt;
 
 use crate::access_log::AccessLine;
-use crate::auth::Denied;
+use crate::auth::{Denied, Tenant};
 use crate::body_budget::{BodyBudget, BodyReservation};
 use crate::cluster::BackendState;
 use crate::config::GatewayConfig;
 use crate::error::ProxyError;
 use crate::http::{respond, respond_with, EDGE_ONLY, HOP_BY_HOP, REQUEST_ID};
 use crate::request::check_head;
+use crate::shared_limits::{Fallback, Verdict};
 use crate::state::{Active, GatewayState};
+use ctx::Ledger;
 
 pub(crate) use ctx::RequestCtx;
 pub use plan::{plan_request, RoutePlan};
@@ -194,7 +196,7 @@ impl ProxyApp {
     async fn handle(&self, s: &mut ServerSession) -> bool {
         let head = s.req_header();
         let mut ctx = RequestCtx::new(head.method.as_str(), head.uri.path());
-        let reusable = match self.admit(s, &mut ctx) {
+        let reusable = match self.admit(s, &mut ctx).await {
             Err(e) => self.reject(s, e, &mut ctx).await,
             Ok(()) => self.route(s, &mut ctx).await,
         };
@@ -225,16 +227,20 @@ impl ProxyApp {
 
     /// Phase `admit`: for `/v1/` requests, the API key and its request rate; the key's
     /// tenant goes into `ctx` (refused or not).
-    fn admit(&self, s: &ServerSession, ctx: &mut RequestCtx) -> Result<(), ProxyError> {
+    async fn admit(&self, s: &ServerSession, ctx: &mut RequestCtx) -> Result<(), ProxyError> {
         if !ctx.path.starts_with("/v1/") {
             return Ok(());
         }
-        let active = self.state.active.load();
-        match active.auth.authenticate(s.get_header("authorization").map(|v| v.as_bytes())) {
+        let authenticated = {
+            let active = self.state.active.load();
+            active.auth.authenticate(s.get_header("authorization").map(|v| v.as_bytes()))
+        };
+        match authenticated {
             Ok(None) => Ok(()),
             Ok(Some(tenant)) => {
-                let rate = tenant
-                    .check_rate()
+                let rate = self
+                    .check_rate(&tenant)
+                    .await
                     .map_err(|wait| ProxyError::rate_limited("requests", "second", &tenant.name, wait));
                 ctx.tenant = Some(tenant);
                 rate
@@ -243,6 +249,52 @@ impl ProxyApp {
                 "You didn't provide an API key. Send it as `Authorization: Bearer <key>`.",
             )),
             Err(Denied::Unknown) => Err(ProxyError::Unauthorized("Incorrect API key provided.")),
+        }
+    }
+
+    /// The key's request rate: in Redis with `auth.shared_limits` (or its fallback while
+    /// Redis cannot answer), else this replica's limiter.
+    async fn check_rate(&self, tenant: &Tenant) -> Result<(), Duration> {
+        let Some(shared) = &self.state.shared_limits else { return tenant.check_rate() };
+        let Some((rps, burst)) = tenant.rate_limit() else { return Ok(()) };
+        match shared.check_rate(tenant.key_id(), rps, burst).await {
+            Verdict::Allowed => Ok(()),
+            Verdict::Limited(wait) => Err(wait),
+            Verdict::Unavailable => {
+                shared.count_unavailable();
+                match shared.fallback() {
+                    Fallback::Local => tenant.fallback(shared.replicas()).check_rate(),
+                    Fallback::Open => Ok(()),
+                    Fallback::Closed => Err(Duration::from_secs(1)),
+                }
+            }
+        }
+    }
+
+    /// Charge `charge` tokens to the key's budget: the ledger it went to, `None` when the key
+    /// has no budget (or Redis is down and `fail_open` admits), or how long until it fits.
+    async fn take_tokens(&self, tenant: &Tenant, charge: u64) -> Result<Option<Ledger>, Duration> {
+        let Some(shared) = &self.state.shared_limits else {
+            let Some(budget) = &tenant.tokens else { return Ok(None) };
+            return budget.take(charge, Instant::now()).map(|()| Some(Ledger::Local));
+        };
+        let Some(per_minute) = tenant.tokens_per_minute() else { return Ok(None) };
+        match shared.take_tokens(tenant.key_id(), per_minute, charge).await {
+            Verdict::Allowed => Ok(Some(Ledger::Shared)),
+            Verdict::Limited(wait) => Err(wait),
+            Verdict::Unavailable => {
+                shared.count_unavailable();
+                match shared.fallback() {
+                    Fallback::Local => {
+                        let share = tenant.fallback(shared.replicas());
+                        let budget = share.tokens.as_ref().expect("a key with tokens_per_minute has a share");
+                        budget.take(charge, Instant::now())?;
+                        Ok(Some(Ledger::Fallback(share)))
+                    }
+                    Fallback::Open => Ok(None),
+                    Fallback::Closed => Err(Duration::from_secs(1)),
+                }
+            }
         }
     }
 
@@ -285,11 +337,15 @@ impl ProxyApp {
             ctx.stream = f.stream;
         }
         let plan = plan?;
-        if let Some(budget) = ctx.tenant.as_ref().and_then(|t| t.tokens.as_ref()) {
-            if let Err(wait) = budget.take(plan.charge, Instant::now()) {
-                return Err(ProxyError::rate_limited("tokens", "minute", ctx.tenant_name(), wait));
+        if let Some(tenant) = ctx.tenant.clone() {
+            match self.take_tokens(&tenant, plan.charge).await {
+                Ok(Some(ledger)) => {
+                    ctx.charged = Some((plan.charge, plan.prompt_charge));
+                    ctx.ledger = ledger;
+                }
+                Ok(None) => {}
+                Err(wait) => return Err(ProxyError::rate_limited("tokens", "minute", ctx.tenant_name(), wait)),
             }
-            ctx.charged = Some((plan.charge, plan.prompt_charge));
         }
         Ok((body, plan, active))
     }
@@ -364,9 +420,30 @@ impl ProxyApp {
     /// Settle the tenant's token budget: refund what the request did not use, or take more.
     fn settle_tokens(&self, ctx: &RequestCtx) {
         let (Some(tenant), Some((charged, prompt))) = (&ctx.tenant, ctx.charged) else { return };
-        let Some(budget) = &tenant.tokens else { return };
         let used = if ctx.status < 400 && ctx.response_bytes > 0 { ctx.usage.used(prompt) } else { 0 };
-        budget.settle(charged, used, Instant::now());
+        match &ctx.ledger {
+            Ledger::Local => {
+                if let Some(budget) = &tenant.tokens {
+                    budget.settle(charged, used, Instant::now());
+                }
+            }
+            Ledger::Fallback(share) => {
+                if let Some(budget) = &share.tokens {
+                    budget.settle(charged, used, Instant::now());
+                }
+            }
+            Ledger::Shared => {
+                let (Some(shared), Some(per_minute)) = (self.state.shared_limits.clone(), tenant.tokens_per_minute())
+                else {
+                    return;
+                };
+                // As the local budget settles: the charge (capped at the whole budget) back,
+                // what was used taken.
+                let give = charged.min(per_minute) as f64 - used as f64;
+                let key = tenant.key_id().to_string();
+                tokio::spawn(async move { shared.give_tokens(&key, per_minute, give).await });
+            }
+        }
     }
 
     fn readiness(&self) -> (u16, String) {
