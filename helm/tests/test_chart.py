@@ -49,7 +49,8 @@ for f in sorted(os.listdir(EXAMPLES)):
 OPS_KEY = {"tenant": "ops", "key_sha256": hashlib.sha256(b"sk-ops-inline").hexdigest(), "priority": 10}
 SCENARIOS["everything-on"] = {
     "gateway": {"hpa": {"enabled": True}, "tls": {"enabled": True, "secretName": "edge-tls", "http2": False},
-                "auth": {"enabled": True, "existingSecret": "api-keys", "keys": [OPS_KEY], "defaultMaxTokens": 1024},
+                "auth": {"enabled": True, "existingSecret": "api-keys", "keys": [OPS_KEY], "defaultMaxTokens": 1024,
+                         "sharedLimits": {"enabled": True, "failOpen": False}},
                 "drain": {"gracePeriodSeconds": 40, "closeListenersAfterMs": 8000},
                 "service": {"type": "NodePort", "nodePort": 30080},
                 "ingress": {"enabled": True, "className": "nginx", "host": "llm.example.com",
@@ -57,6 +58,7 @@ SCENARIOS["everything-on"] = {
                 "httpRoute": {"enabled": True, "parentRefs": [{"name": "edge", "namespace": "gateway-system"}],
                               "hostnames": ["llm.example.com"]}},
     "serviceMonitor": {"enabled": True}, "networkPolicy": {"enabled": True}, "grafanaDashboard": {"enabled": True},
+    "redis": {"enabled": True},
     "engine": {"replicas": 3, "shim": {"drainTimeoutSeconds": 60, "allowPaths": ["/v1/load_lora_adapter"],
                                        "adminTokenSecret": "shim-admin"}},
 }
@@ -168,6 +170,10 @@ def by_kind(objs, kind):
     return [o for o in objs if o.get("kind") == kind]
 
 
+def gateway_deployment(objs):
+    return next(o for o in by_kind(objs, "Deployment") if o["metadata"]["name"] == "sy-switchyard-gateway")
+
+
 def container(pod_spec, name):
     return next((c for c in pod_spec["containers"] if c["name"] == name), None)
 
@@ -200,7 +206,7 @@ def check_scenario(name, values, release, objs, gateway_bin):
     cm = [o for o in by_kind(objs, "ConfigMap") if "gateway.yaml" in o.get("data", {})]
     if check(len(cm) == 1, f"{tag} one gateway ConfigMap"):
         text = cm[0]["data"]["gateway.yaml"]
-        dep = by_kind(objs, "Deployment")[0]
+        dep = gateway_deployment(objs)
         pod = dep["spec"]["template"]["spec"]
         # The Secrets' files where the config reads them, then the gateway's own validation.
         local, used = materialize_secrets(text, pod, container(pod, "gateway"))
@@ -228,7 +234,7 @@ def check_scenario(name, values, release, objs, gateway_bin):
         check(cfg["scrape"]["source"] == "load", f"{tag} the gateway reads the sidecars' /load")
         check(cfg.get("admission", {}).get("max_wait_ms", 0) > 0,
               f"{tag} the admission queue holds requests while engines scale up (KEDA's from-zero signal)")
-        dep = by_kind(objs, "Deployment")[0]
+        dep = gateway_deployment(objs)
         checksum = dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
         check(checksum == hashlib.sha256(text.rstrip("\n").encode()).hexdigest()
               or checksum == hashlib.sha256(text.encode()).hexdigest(),
@@ -336,7 +342,7 @@ def check_scenario(name, values, release, objs, gateway_bin):
               f"{tag} the engine (on loopback) has exec startup and liveness probes")
         check(container(pod, "shim")["readinessProbe"].get("failureThreshold", 3) >= 3,
               f"{tag} one failed scrape does not take an engine pod out")
-    gw_pod = by_kind(objs, "Deployment")[0]["spec"]["template"]["spec"]
+    gw_pod = gateway_deployment(objs)["spec"]["template"]["spec"]
     cfg_mount = next(m for m in container(gw_pod, "gateway")["volumeMounts"] if m["name"] == "config")
     check("subPath" not in cfg_mount and f"{cfg_mount['mountPath']}/gateway.yaml" in container(gw_pod, "gateway")["args"],
           f"{tag} the config is mounted as a directory, so its updates reach the file watch: {cfg_mount}")
@@ -394,7 +400,7 @@ def check_scenario(name, values, release, objs, gateway_bin):
           f"{tag} the admin port has its own ClusterIP Service: {admin and admin['spec']}")
     if values.get("gateway", {}).get("hpa", {}).get("enabled"):
         check(by_kind(objs, "HorizontalPodAutoscaler"), f"{tag} a gateway HPA")
-        check("replicas" not in by_kind(objs, "Deployment")[0]["spec"], f"{tag} the HPA owns the gateway's replicas")
+        check("replicas" not in gateway_deployment(objs)["spec"], f"{tag} the HPA owns the gateway's replicas")
 
 
 def secret_mount(pod, ctr, name):
@@ -407,7 +413,7 @@ def secret_mount(pod, ctr, name):
 def check_edge(tag, v, cfg, text, objs, release):
     """TLS, API keys and drain: values -> config, mounts, probes, Service, grace period."""
     gwv = v["gateway"]
-    dep = by_kind(objs, "Deployment")[0]
+    dep = gateway_deployment(objs)
     pod = dep["spec"]["template"]["spec"]
     gw = container(pod, "gateway")
     notes = release.get("info", {}).get("notes") or ""
@@ -466,9 +472,32 @@ def check_edge(tag, v, cfg, text, objs, release):
         if auth.get("defaultMaxTokens") is not None:
             check(a.get("default_max_tokens") == auth["defaultMaxTokens"], f"{tag} auth.default_max_tokens: {a}")
         check("Authorization: Bearer" in notes, f"{tag} NOTES.txt sends an API key")
+        shared = auth.get("sharedLimits", {})
+        redis_deps = [o for o in by_kind(objs, "Deployment") if o["metadata"]["name"] == "sy-switchyard-redis"]
+        if shared.get("enabled"):
+            want = shared.get("redisUrl") or "redis://sy-switchyard-redis:6379"
+            got = a.get("shared_limits", {})
+            check(got.get("redis_url") == want and got.get("key_prefix") == shared.get("keyPrefix", "switchyard"),
+                  f"{tag} auth.shared_limits points at {want}: {got}")
+            if "failOpen" in shared and shared["failOpen"] is not None:
+                check(got.get("fail_open") == shared["failOpen"], f"{tag} auth.shared_limits.fail_open: {got}")
+        else:
+            check("shared_limits" not in a, f"{tag} no auth.shared_limits unless enabled")
     else:
         check("auth" not in cfg and vol is None and mnt is None, f"{tag} no auth: block and no key volume without gateway.auth")
         check("Authorization" not in notes, f"{tag} NOTES.txt sends no API key without auth")
+        redis_deps = [o for o in by_kind(objs, "Deployment") if o["metadata"]["name"] == "sy-switchyard-redis"]
+    if v.get("redis", {}).get("enabled"):
+        svcs = [o for o in by_kind(objs, "Service") if o["metadata"]["name"] == "sy-switchyard-redis"]
+        check(len(redis_deps) == 1 and len(svcs) == 1, f"{tag} redis.enabled deploys a Redis and its Service")
+        pod = redis_deps[0]["spec"]["template"]["spec"] if redis_deps else {}
+        check(pod.get("automountServiceAccountToken") is False, f"{tag} the Redis pod mounts no API token")
+        if v.get("networkPolicy", {}).get("enabled"):
+            pols = [o for o in by_kind(objs, "NetworkPolicy") if o["metadata"]["name"] == "sy-switchyard-redis"]
+            frm = pols[0]["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"] if pols else {}
+            check(frm.get("app.kubernetes.io/component") == "gateway", f"{tag} only the gateways reach Redis: {frm}")
+    else:
+        check(not redis_deps, f"{tag} no Redis unless redis.enabled")
 
 
 async def main():
@@ -493,6 +522,9 @@ async def main():
                        ({"gateway": {"auth": {"enabled": True, "keys": [{"tenant": "a", "key_sha256": "sk-plain"}]}}},
                         "key_sha256"),
                        ({"gateway": {"config": {"tls": {"cert_file": "/x"}}}}, "config"),
+                       # Shared limits need a Redis: the chart's or one named.
+                       ({"gateway": {"auth": {"enabled": True, "keys": [OPS_KEY], "sharedLimits": {"enabled": True}}}},
+                        "redis.enabled"),
                        ({"gateway": {"drain": {"gracePeriodSeconds": 5, "closeListenersAfterMs": 6000}}},
                         "closeListenersAfterMs"),
                        ({"gateway": {"config": {"timeouts": {"request_body_ms": 30000}}}}, "body_read_timeout_ms"),

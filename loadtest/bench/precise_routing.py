@@ -12,12 +12,16 @@ arrivals; the requests are spread over the gateway replicas in turn.
   precise      engines publish KV events; every replica subscribes and tokenizes requests
                (kv_events.tokenizer), so all score by the blocks the engines really hold
 
-Also a run with a cache too small for the working set (evictions), one replica, both modes.
+Also a run with a cache too small for the working set (evictions), one replica, both modes;
+and the SGLang model gateway (`smg` 1.13.0 from PyPI, its `cache_aware` policy, installed
+under .cache/smg on first use) in front of the same engines, one replica, for the
+single-gateway bar (warm-up diversion off: `--worker-warmup-secs 0`, a start-up artefact).
 
 Prints per run: TTFT mean/p50/p90/p99, the engines' prefix-cache hit rate, the gateways' CPU
 per request; then the bars. Bars (#19): with 4 replicas, precise mean TTFT ≤ 1.15× precise
 with 1 replica and hit rate within 3 points of it; precise 4-replica mean TTFT ≤ 0.5×
-approximate's; with evictions (1 replica) precise mean TTFT < approximate's.
+approximate's; with evictions (1 replica) precise mean TTFT < approximate's; one replica:
+precise `cost` mean TTFT ≤ smg's.
 Exits 1 when a bar is missed, 2 when it could not measure.
 
 Usage: python3 loadtest/bench/precise_routing.py [--quick] [--rate R] [--requests N] [--no-build]
@@ -30,6 +34,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bars import Bars, SetupError, run  # noqa: E402
+from prefix_routing import ttft_cdf_svg  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.join(ROOT, "target", "release")
@@ -38,13 +43,33 @@ MODEL = os.path.join(os.environ.get("SWITCHYARD_MODEL_DIR", os.path.join(ROOT, "
                      "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def cluster(name, precise, gateways, blocks, args):
+SMG_VERSION = "1.13.0"
+SMG_DIR = os.path.join(ROOT, ".cache", "smg")
+
+
+def smg_command():
+    """The --router command for smg, installing it first when missing."""
+    stamp = os.path.join(SMG_DIR, ".version")
+    if not (os.path.exists(stamp) and open(stamp).read() == SMG_VERSION):
+        print(f"installing smg=={SMG_VERSION} into {SMG_DIR}")
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--upgrade",
+                        "--target", SMG_DIR, f"smg=={SMG_VERSION}"], check=True)
+        with open(stamp, "w") as f:
+            f.write(SMG_VERSION)
+    return (f"env PYTHONPATH={SMG_DIR} {sys.executable} -m smg launch --host 127.0.0.1 --port {{port}} "
+            "--worker-urls {workers} --policy cache_aware --prometheus-host 127.0.0.1 --prometheus-port {metrics_port} "
+            "--worker-startup-check-interval 1 --worker-warmup-secs 0 --worker-warmup-divert-every 0 --log-level warn")
+
+
+def cluster(name, precise, gateways, blocks, args, router=None):
     out = os.path.join(WORK, name)
     cmd = [f"{BIN}/switchyard-loadtest", "cluster", "--engines", str(args.engines), "--sim-profile", "h100-llama3-8b",
            "--policy", args.policy, "--gateways", str(gateways), "--tokenizer", MODEL,
            f"--engine-arg=--num-gpu-blocks-override={blocks}"]
     if precise:
         cmd.append("--kv-events")
+    if router:
+        cmd += ["--router", router, "--router-ready-path", "/readiness"]
     cmd += ["--", "--endpoint", "chat", "--seed", "1", "--out", out, "--workload", "shared-prefix",
             "--groups", str(args.groups), "--prefix-len", str(args.prefix_len), "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "--rate", str(args.rate), "--requests", str(args.requests),
@@ -57,7 +82,7 @@ def cluster(name, precise, gateways, blocks, args):
     if t["failed"]:
         raise SetupError(f"{name}: {t['failed']} requests failed (see {out})")
     c = s["config"]["cluster"]
-    return {"ttft": t["ttft_ms"], "hit": c["prefix_cache_hit_rate"], "completed": t["completed"],
+    return {"ttft": t["ttft_ms"], "hit": c["prefix_cache_hit_rate"], "completed": t["completed"], "out": out,
             "cpu_ms": 1e3 * sum(c.get("gateway_cpu_s", [])) / max(1, t["completed"] + t["failed"]),
             "preemptions": sum(e["preemptions"] for e in c["engines"])}
 
@@ -76,6 +101,7 @@ def main():
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--blocks", type=int, help="KV blocks per engine (default: the working set fits ~2×)")
     ap.add_argument("--small-blocks", type=int, help="KV blocks per engine of the eviction run (default: ~0.5×)")
+    ap.add_argument("--no-smg", action="store_true", help="skip the smg run (and its bar)")
     args = ap.parse_args()
     if args.quick:
         args.requests = 200
@@ -102,9 +128,11 @@ def main():
     for precise in (False, True):
         mode = "precise" if precise else "approximate"
         rows[(mode, "evict")] = cluster(f"{mode}-evict", precise, 1, small, args)
+    if not args.no_smg:
+        rows[("smg cache_aware", 1)] = cluster("smg-1", False, 1, blocks, args, router=smg_command())
 
     print(f"\n### {args.engines} engines, {args.groups} groups, {args.rate} req/s, policy {args.policy}\n")
-    print("| index | replicas | KV blocks/engine | TTFT mean ms | p50 | p90 | p99 | prefix hit rate | preemptions | "
+    print("| router / index | replicas | KV blocks/engine | TTFT mean ms | p50 | p90 | p99 | prefix hit rate | preemptions | "
           "gateway CPU ms/request |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (mode, replicas), r in rows.items():
@@ -113,7 +141,11 @@ def main():
         t = r["ttft"]
         print(f"| {mode} | {label} | {b} | {t['mean']:.1f} | {t['p50']:.1f} | {t['p90']:.1f} | {t['p99']:.1f} | "
               f"{r['hit'] * 100:.1f}% | {r['preemptions']:.0f} | {r['cpu_ms']:.2f} |")
-    print(f"\nreports under {WORK}")
+    curves = {f"{m} ×{r}": rows[(m, r)] for m in ("approximate", "precise") for r in (1, 4)}
+    if ("smg cache_aware", 1) in rows:
+        curves["smg cache_aware ×1"] = rows[("smg cache_aware", 1)]
+    ttft_cdf_svg("1 and 4 gateway replicas", curves, os.path.join(WORK, "replicas-ttft-cdf.svg"))
+    print(f"\nreports under {WORK} (TTFT CDFs: replicas-ttft-cdf.svg)")
 
     bars = Bars()
     p1, p4, a4 = rows[("precise", 1)], rows[("precise", 4)], rows[("approximate", 4)]
@@ -123,6 +155,10 @@ def main():
     pe, ae = rows[("precise", "evict")], rows[("approximate", "evict")]
     bars.check("evictions, 1 replica: precise ÷ approximate mean TTFT", pe["ttft"]["mean"] / ae["ttft"]["mean"], "<",
                1.0, "×")
+    if ("smg cache_aware", 1) in rows:
+        sm = rows[("smg cache_aware", 1)]
+        bars.check("1 replica: cost (precise) ÷ smg cache_aware mean TTFT", p1["ttft"]["mean"] / sm["ttft"]["mean"], "<=",
+                   1.0, "×")
     return bars
 
 

@@ -163,6 +163,15 @@ pub struct ClusterArgs {
     /// routing when the gateways have a --tokenizer too).
     #[arg(long)]
     pub kv_events: bool,
+    /// Another router in front of the same engines instead of the gateway, to compare: a
+    /// shell command with `{port}` (where it must listen), `{workers}` (the engines' base
+    /// URLs, space-separated) and `{metrics_port}` (a second free port) filled in; e.g.
+    /// `python3 -m smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} …`.
+    #[arg(long)]
+    pub router: Option<String>,
+    /// Path the --router answers 200 on once it routes.
+    #[arg(long, default_value = "/v1/models")]
+    pub router_ready_path: String,
     /// A real model's tokenizer (`.gguf`, `tokenizer.json` or HF directory): sim engines
     /// tokenize with it (`--tokenizer`), and with --kv-events the gateways too.
     #[arg(long)]

@@ -148,6 +148,47 @@ async fn start_gateway(
     }
 }
 
+/// Start `--router` (its command with the placeholders filled in) in its own process group,
+/// log under `dir`, and wait until it answers 200 on `ready_path`.
+async fn start_router(
+    template: &str,
+    ready_path: &str,
+    engines: &[Engine],
+    dir: &std::path::Path,
+) -> anyhow::Result<(Child, SocketAddr)> {
+    let port = free_port()?;
+    let workers: Vec<String> = engines.iter().map(|e| format!("http://{}", e.addr)).collect();
+    let command = template
+        .replace("{port}", &port.to_string())
+        .replace("{metrics_port}", &free_port()?.to_string())
+        .replace("{workers}", &workers.join(" "));
+    let log_path = dir.join("router.log");
+    let log = std::fs::File::create(&log_path)?;
+    let child = Command::new("sh")
+        .arg("-c")
+        .arg(format!("exec {command}"))
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting --router")?;
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let start = Instant::now();
+    loop {
+        let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http::<Empty<bytes::Bytes>>();
+        if let Ok(resp) = client.get(format!("http://{addr}{ready_path}").parse()?).await {
+            if resp.status().is_success() {
+                return Ok((child, addr));
+            }
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            bail!("--router did not answer {ready_path} within 60 s; see {}", log_path.display());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// CPU seconds (user + system, every thread) `child` has used, from `/proc/<pid>/stat`
 /// (0 where that cannot be read: another OS, or the process is gone).
 fn cpu_seconds(child: &Child) -> f64 {
@@ -177,7 +218,13 @@ pub async fn run_cluster(c: &ClusterArgs, mut run: RunArgs) -> anyhow::Result<()
         engines.push(start_engine(c).await?);
     }
     let mut gateways = Vec::new();
-    if c.no_gateway {
+    if let Some(router) = &c.router {
+        let dir = run.out.join("cluster");
+        std::fs::create_dir_all(&dir)?;
+        let (child, listen) = start_router(router, &c.router_ready_path, &engines, &dir).await?;
+        gateways.push(child);
+        run.targets.insert(0, Target::new("router", format!("http://{listen}")));
+    } else if c.no_gateway {
         for (i, e) in engines.iter().enumerate() {
             run.targets.push(Target::new(format!("engine{i}"), format!("http://{}", e.addr)));
         }
@@ -243,7 +290,11 @@ pub async fn run_cluster(c: &ClusterArgs, mut run: RunArgs) -> anyhow::Result<()
             let rate = if queries > 0.0 { hits / queries } else { 0.0 };
             anyhow::Ok(serde_json::json!({
                 "engines": per_engine, "prefix_cache_hit_rate": rate,
-                "policy": if c.no_gateway { "none".to_string() } else { c.policy.clone() },
+                "policy": match (&c.router, c.no_gateway) {
+                    (Some(r), _) => format!("router: {r}"),
+                    (None, true) => "none".to_string(),
+                    (None, false) => c.policy.clone(),
+                },
                 "gateways": if c.no_gateway { 0 } else { c.gateways },
                 "kv_events": c.kv_events,
                 "tokenizer": c.tokenizer,

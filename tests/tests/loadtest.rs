@@ -176,6 +176,61 @@ fn cluster_runs_a_sweep_through_the_gateway_and_tears_everything_down() {
     }
 }
 
+/// `cluster --gateways 2 --kv-events --tokenizer` (#19's benchmark): two gateway replicas
+/// subscribed to engines that publish KV events and tokenize with the real model; the
+/// requests are spread over both replicas, and each replica's CPU time is reported.
+#[test]
+fn cluster_spreads_requests_over_gateway_replicas_with_kv_events() {
+    let out = scratch_dir("cluster-replicas");
+    let out_s = out.to_string_lossy().to_string();
+    let model = switchyard_engine::model::default_model_path();
+    loadtest(&[
+        "cluster",
+        "--engines",
+        "2",
+        "--sim-profile",
+        "instant",
+        "--gateways",
+        "2",
+        "--kv-events",
+        "--tokenizer",
+        model.to_str().unwrap(),
+        "--",
+        "--workload",
+        "shared-prefix",
+        "--groups",
+        "2",
+        "--prefix-len",
+        "200",
+        "--requests",
+        "20",
+        "--concurrency",
+        "2",
+        "--input-len",
+        "20",
+        "--output-len",
+        "4",
+        "--out",
+        &out_s,
+    ]);
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let target = &summary["targets"][0];
+    assert_eq!((&target["target"], &target["completed"]), (&serde_json::json!("gateway"), &serde_json::json!(20)));
+    let cluster = &summary["config"]["cluster"];
+    assert_eq!((&cluster["gateways"], &cluster["kv_events"]), (&serde_json::json!(2), &serde_json::json!(true)));
+    let cpu = cluster["gateway_cpu_s"].as_array().unwrap();
+    assert_eq!(cpu.len(), 2, "one CPU figure per replica: {cpu:?}");
+    // Both replicas ran with the tokenizer (which replica each request goes to is `Target::url_for`'s
+    // unit test: request i to replica i mod n).
+    for n in 0..2 {
+        let log = std::fs::read_to_string(out.join(format!("cluster/gateway{n}.log"))).unwrap();
+        assert!(log.contains("tokenizer loaded"), "replica {n} loaded the tokenizer: {log}");
+    }
+    let hit = cluster["prefix_cache_hit_rate"].as_f64().unwrap();
+    assert!(hit > 0.5, "two groups of a 200-token prefix, 20 requests: the engines' caches hit ({hit})");
+}
+
 #[test]
 fn failures_are_counted_by_kind_and_never_crash_the_run() {
     let engine = EngineProc::start(&["--sim-profile", "instant"]);

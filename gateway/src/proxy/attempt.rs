@@ -194,11 +194,12 @@ impl ProxyApp {
             };
             for ((c, n), exact) in candidates.iter_mut().zip(blocks).zip(precise) {
                 let approximate = pcfg.tokens(n * pcfg.block_bytes).min(plan.prompt_tokens);
-                c.matched_tokens = match exact {
-                    Some(t) => t,
-                    None if plan.prompt_tokens == prompt_tokens => approximate,
-                    None => (approximate as f64 / plan.prompt_tokens.max(1) as f64 * prompt_tokens as f64) as u64,
+                let approximate = match plan.prompt_tokens == prompt_tokens {
+                    true => approximate,
+                    false => (approximate as f64 / plan.prompt_tokens.max(1) as f64 * prompt_tokens as f64) as u64,
                 };
+                c.matched_tokens = exact.unwrap_or(approximate);
+                c.affinity_tokens = approximate;
             }
         }
         let policy = &active.policy;

@@ -34,6 +34,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- define "switchyard.gateway" -}}{{ include "switchyard.fullname" . }}-gateway{{- end -}}
 {{- define "switchyard.engine" -}}{{ include "switchyard.fullname" . }}-engine{{- end -}}
+{{- define "switchyard.redis" -}}{{ include "switchyard.fullname" . }}-redis{{- end -}}
 
 {{- define "switchyard.image" -}}
 {{- $root := index . 0 -}}{{- $name := index . 1 -}}
@@ -88,6 +89,18 @@ ones finish what they serve and get nothing new; the sidecars' /load carries the
 {{- with $gw.auth.keys -}}{{- $_ := set $auth "keys" . -}}{{- end -}}
 {{- if $gw.auth.existingSecret -}}{{- $_ := set $auth "keys_file" (printf "%s/keys.yaml" (include "switchyard.keysDir" .)) -}}{{- end -}}
 {{- if not (kindIs "invalid" $gw.auth.defaultMaxTokens) -}}{{- $_ := set $auth "default_max_tokens" (int64 $gw.auth.defaultMaxTokens) -}}{{- end -}}
+{{- with $gw.auth.sharedLimits -}}{{- if .enabled -}}
+{{- $url := .redisUrl -}}
+{{- if not $url -}}
+{{- if not $.Values.redis.enabled -}}
+{{- fail "gateway.auth.sharedLimits.enabled needs gateway.auth.sharedLimits.redisUrl or redis.enabled" -}}
+{{- end -}}
+{{- $url = printf "redis://%s:6379" (include "switchyard.redis" $) -}}
+{{- end -}}
+{{- $shared := dict "redis_url" $url "key_prefix" .keyPrefix "timeout_ms" (int64 .timeoutMs) -}}
+{{- if not (kindIs "invalid" .failOpen) -}}{{- $_ := set $shared "fail_open" .failOpen -}}{{- end -}}
+{{- $_ := set $auth "shared_limits" $shared -}}
+{{- end -}}{{- end -}}
 {{- $_ := set $cfg "auth" $auth -}}
 {{- end -}}
 {{- $drain := $gw.drain -}}
