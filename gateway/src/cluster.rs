@@ -294,7 +294,6 @@ impl ClusterView {
                 pending_prefill_tokens: b.pending_prefill_tokens.load(Ordering::Relaxed),
                 prefill_tokens_per_s: b.prefill_tokens_per_s(),
                 matched_tokens: 0,
-                affinity_tokens: 0,
             });
         }
         (out, known)

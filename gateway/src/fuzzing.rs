@@ -104,7 +104,6 @@ pub fn request_path(data: &[u8]) {
             pending_prefill_tokens: 0,
             prefill_tokens_per_s: 0.0,
             matched_tokens: if i == 0 { cfg.tokens(matched[0] * cfg.block_bytes).min(plan.prompt_tokens) } else { 0 },
-            affinity_tokens: if i == 1 { plan.prompt_tokens } else { 0 },
         })
         .collect();
     let input = RouteInput { model: &plan.model, prompt_tokens: plan.prompt_tokens, session: plan.session.as_deref() };

@@ -12,6 +12,19 @@ use switchyard_testkit::*;
 /// arrival; a few requests of tolerance let the admitted rate settle at the limit.
 const BURST: u32 = 8;
 
+/// The key's token budget: large enough never to refuse here; its hash in Redis shows the
+/// charges went there.
+const TOKENS_PER_MINUTE: u64 = 1_000_000;
+
+/// A field of a Redis hash, read with `redis-cli` (installed with `redis-server`).
+fn hget(redis: &RedisProc, key: &str, field: &str) -> Option<f64> {
+    let out = std::process::Command::new("redis-cli")
+        .args(["-p", &redis.addr.port().to_string(), "HGET", key, field])
+        .output()
+        .expect("redis-cli");
+    String::from_utf8_lossy(&out.stdout).trim().parse().ok()
+}
+
 /// SHA-256 of `test`, the key every request presents.
 const KEY_SHA256: &str = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
 
@@ -49,7 +62,9 @@ async fn four_replicas_admit_one_keys_rate_once_and_fall_back_to_shares_without_
     let engine = FaultEngine::start(Fault::Healthy).await;
     let config = GatewayConfigBuilder::new()
         .backend_serving(&engine.url(), &["m"])
-        .api_key(ApiKey::new("t", KEY_SHA256).requests_per_second(10.0).burst(BURST))
+        .api_key(
+            ApiKey::new("t", KEY_SHA256).requests_per_second(10.0).burst(BURST).tokens_per_minute(TOKENS_PER_MINUTE),
+        )
         .shared_limits(&format!("{{ redis_url: \"{}\", key_prefix: test }}", redis.url()));
     let replicas: Vec<GatewayProc> = (0..4).map(|_| GatewayProc::start(&config)).collect();
     for g in &replicas {
@@ -71,6 +86,11 @@ async fn four_replicas_admit_one_keys_rate_once_and_fall_back_to_shares_without_
     eprintln!("shared: {ok} admitted, {limited} refused in {secs:.2} s: {rate:.1} req/s");
     assert!(other.is_empty(), "only 200 and 429: {other:?}");
     assert!((8.0..=12.0).contains(&rate), "the cluster admitted {rate:.1} req/s for a key limited to 10");
+    // The token budget lives in Redis too: charged by every replica and settled there (it
+    // refills faster than these small requests use it, so only its presence is checked).
+    let key = format!("test:tokens:{KEY_SHA256}");
+    let level = hget(&redis, &key, "level").expect("the budget is kept in Redis");
+    assert!(level <= TOKENS_PER_MINUTE as f64 && hget(&redis, &key, "ts").is_some(), "{key}: level {level}");
 
     // Redis dies: each replica enforces a quarter of the rate on its own; nothing fails.
     redis.kill();

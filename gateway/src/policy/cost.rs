@@ -28,9 +28,7 @@
 //!   engine was busy is low, and an engine priced as slow gets no traffic, so no new samples.
 //!
 //! Predictions are estimates: ones within `tie_epsilon_ms` or `tie_ratio` (25%) of the best
-//! are ties, and go to the lower `least_load` score — except that when no tied engine holds
-//! the prompt by its KV events, the one this gateway last sent it to (`affinity_tokens`)
-//! goes first. The band is wider than the rate clamp,
+//! are ties, and go to the lower `least_load` score. The band is wider than the rate clamp,
 //! so rate noise between alike engines never decides alone; a cache hit (a prompt mostly
 //! cached is many times cheaper) or a real queue difference does. With a stale signal
 //! anywhere, the waiting term is dropped for every candidate (same units for all; reason
@@ -133,16 +131,7 @@ impl Policy for Cost {
         let best = ttft.iter().copied().fold(f64::INFINITY, f64::min);
         // Among the near-best predictions, the least loaded.
         let slack = cfg.tie_epsilon_ms.max(best * cfg.tie_ratio);
-        let mut near: Vec<usize> = (0..c.len()).filter(|&i| ttft[i] <= best + slack).collect();
-        // None of them holds the prompt, but this gateway sent it to one of them before (the
-        // engines' events said its blocks were evicted): back there, so a prompt keeps one
-        // home instead of a copy on every engine it lands on.
-        if near.iter().all(|&i| c[i].matched_tokens == 0) {
-            let home = near.iter().map(|&i| c[i].affinity_tokens).max().unwrap_or(0);
-            if home > 0 {
-                near.retain(|&i| c[i].affinity_tokens == home);
-            }
-        }
+        let near: Vec<usize> = (0..c.len()).filter(|&i| ttft[i] <= best + slack).collect();
         let near_candidates: Vec<Candidate> = near.iter().map(|&i| c[i]).collect();
         let pick = near[argmin_random_tie(&near_candidates, rng, |x| load_score(&cfg.weights, x, fresh))];
         let reason = match (fresh, c[pick].matched_tokens > 0) {

@@ -69,12 +69,6 @@ pub struct Candidate {
     pub prefill_tokens_per_s: f64,
     /// Estimated leading prompt tokens this backend probably has cached.
     pub matched_tokens: u64,
-    /// Leading prompt tokens this gateway itself routed to it (its approximate index). The
-    /// same as `matched_tokens` unless that comes from the engine's KV events: then it only
-    /// breaks ties between engines none of which holds the prompt (`cost`), so a prompt whose
-    /// blocks were evicted goes back where it was rather than to a new engine — a stickier
-    /// placement keeps fewer copies when caches are full.
-    pub affinity_tokens: u64,
 }
 
 /// What the policy knows of the request.

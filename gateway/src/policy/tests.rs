@@ -17,7 +17,6 @@ fn cand(index: usize, inflight: u64, signal: Option<(f64, f64, f64)>) -> Candida
 
 fn matched(mut c: Candidate, tokens: u64) -> Candidate {
     c.matched_tokens = tokens;
-    c.affinity_tokens = tokens;
     c
 }
 
@@ -240,20 +239,4 @@ fn prefix_policy_configs_validate_their_knobs() {
     assert_eq!(bad.validate().unwrap_err().0, "header");
     assert!(PolicyConfig::default().validate().is_ok());
     assert_eq!(PolicyConfig::default().build().name(), "cost");
-}
-
-#[test]
-fn cost_sends_a_prompt_no_engine_holds_back_to_where_this_gateway_sent_it() {
-    // By their KV events no engine holds the prompt (engine 2's copy was evicted), but this
-    // gateway routed it to engine 2 before: the tie goes there even though engine 0 is idler.
-    let s = Some((0.0, 2.0, 0.3));
-    let mut home = cand(2, 1, s);
-    home.affinity_tokens = 3000;
-    let c = [cand(0, 0, s), cand(1, 1, s), home];
-    for seed in 0..8 {
-        assert_eq!(pick_for(&cost(), &prompt(3200), &c, seed).pick, 2, "seed {seed}");
-    }
-    // An engine that does hold part of it still wins on its prediction.
-    let c = [matched(cand(0, 0, s), 1600), cand(1, 1, s), home];
-    assert_eq!(pick_for(&cost(), &prompt(3200), &c, 1).pick, 0);
 }

@@ -192,14 +192,19 @@ impl ProxyApp {
                 (Some(p), Some(kv)) => kv.matched_tokens(p, &keys.iter().map(|k| k.0).collect::<Vec<_>>()),
                 _ => vec![None; candidates.len()],
             };
-            for ((c, n), exact) in candidates.iter_mut().zip(blocks).zip(precise) {
-                let approximate = pcfg.tokens(n * pcfg.block_bytes).min(plan.prompt_tokens);
-                let approximate = match plan.prompt_tokens == prompt_tokens {
-                    true => approximate,
-                    false => (approximate as f64 / plan.prompt_tokens.max(1) as f64 * prompt_tokens as f64) as u64,
-                };
-                c.matched_tokens = exact.unwrap_or(approximate);
-                c.affinity_tokens = approximate;
+            let approximate: Vec<u64> = blocks
+                .into_iter()
+                .map(|n| {
+                    let t = pcfg.tokens(n * pcfg.block_bytes).min(plan.prompt_tokens);
+                    // In the prompt's exact tokens when it was tokenized.
+                    match plan.prompt_tokens == prompt_tokens {
+                        true => t,
+                        false => (t as f64 / plan.prompt_tokens.max(1) as f64 * prompt_tokens as f64) as u64,
+                    }
+                })
+                .collect();
+            for (c, m) in candidates.iter_mut().zip(matched_tokens(&precise, &approximate)) {
+                c.matched_tokens = m;
             }
         }
         let policy = &active.policy;
@@ -360,4 +365,37 @@ async fn connect(
     peer.options.connection_timeout = Some(cfg.timeouts.connect());
     peer.options.total_connection_timeout = Some(cfg.timeouts.connect());
     connector.get_http_session(&peer).await
+}
+
+/// Each candidate's matched tokens from the engines' KV events (`precise`: `None` where an
+/// engine's stream is not live) and this gateway's approximate index. Live engines count what
+/// they hold, the others the approximate estimate — unless no engine holds any of the prompt
+/// (a new prompt, or one evicted everywhere): then the events say nothing about where it
+/// belongs, and the approximate index (where this gateway sent it before) decides for all,
+/// which keeps such a prompt on one home instead of a copy wherever load puts it.
+fn matched_tokens(precise: &[Option<u64>], approximate: &[u64]) -> Vec<u64> {
+    let held_somewhere = precise.iter().any(|m| m.is_some_and(|t| t > 0));
+    precise
+        .iter()
+        .zip(approximate)
+        .map(|(exact, &approx)| match (held_somewhere, exact) {
+            (true, Some(t)) => *t,
+            _ => approx,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::matched_tokens;
+
+    #[test]
+    fn live_engines_count_what_they_hold_unless_nobody_holds_anything() {
+        // Engine 0 holds 320 tokens; 1 is live and holds nothing (the approximate index wrongly
+        // thinks 640); 2 is not live: its estimate stands.
+        assert_eq!(matched_tokens(&[Some(320), Some(0), None], &[0, 640, 160]), vec![320, 0, 160]);
+        // Evicted everywhere: the approximate index's home wins again.
+        assert_eq!(matched_tokens(&[Some(0), Some(0), None], &[640, 0, 160]), vec![640, 0, 160]);
+        assert_eq!(matched_tokens(&[None, None], &[1, 2]), vec![1, 2]);
+    }
 }
