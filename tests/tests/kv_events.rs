@@ -303,30 +303,23 @@ fn publishing_engines(n: usize) -> Vec<(EngineProc, String, String)> {
         .collect()
 }
 
-/// Per engine URL, the blocks one gateway's index holds.
-async fn held_blocks(g: &GatewayProc) -> Vec<(String, u64)> {
+/// Per engine URL (sorted), `field` of one gateway's `/admin/backends` entry.
+async fn per_engine(g: &GatewayProc, field: impl Fn(&Value) -> u64) -> Vec<(String, u64)> {
     let b = backends(g).await;
-    let mut v: Vec<(String, u64)> = b["backends"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| (x["url"].as_str().unwrap().to_string(), x["kv_events"]["held_blocks"].as_u64().unwrap_or(0)))
-        .collect();
+    let mut v: Vec<(String, u64)> =
+        b["backends"].as_array().unwrap().iter().map(|x| (x["url"].as_str().unwrap().to_string(), field(x))).collect();
     v.sort();
     v
 }
 
-/// Per engine URL, the requests one gateway routed there.
+/// Per engine URL, the blocks one gateway's index holds.
+async fn held_blocks(g: &GatewayProc) -> Vec<(String, u64)> {
+    per_engine(g, |x| x["kv_events"]["held_blocks"].as_u64().unwrap_or(0)).await
+}
+
+/// Per engine URL (sorted), the requests one gateway routed there.
 async fn routed_counts(g: &GatewayProc) -> Vec<u64> {
-    let b = backends(g).await;
-    let mut v: Vec<(String, u64)> = b["backends"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| (x["url"].as_str().unwrap().to_string(), x["routed"].as_u64().unwrap()))
-        .collect();
-    v.sort();
-    v.into_iter().map(|x| x.1).collect()
+    per_engine(g, |x| x["routed"].as_u64().unwrap()).await.into_iter().map(|x| x.1).collect()
 }
 
 /// A chat request of prefix group `group`: a long system prompt shared by the group, then a

@@ -66,6 +66,8 @@ pub struct KvEventsShared {
     pub tokenizer: Option<Arc<ModelTokenizer>>,
     /// Token ids of prompt pieces seen before (`kv_events.tokenizer_cache_bytes`).
     pub pieces: PieceCache,
+    /// The index's block size (fixed at start: read without the index's lock).
+    block_size: usize,
 }
 
 /// A request's prompt as the engines will cache it.
@@ -91,6 +93,7 @@ impl KvEventsShared {
             streams: Mutex::default(),
             tokenizer,
             pieces: PieceCache::new(cache_bytes),
+            block_size,
         })
     }
 
@@ -98,8 +101,7 @@ impl KvEventsShared {
     /// a body with no single prompt: see [`crate::request::tokens`]).
     pub fn precise_prompt(&self, body: &[u8]) -> Option<PrecisePrompt> {
         let ids = prompt_token_ids(body, self.tokenizer.as_deref()?, &self.pieces)?;
-        let block_size = self.index.lock().block_size();
-        Some(PrecisePrompt { keys: prompt_keys(&ids, block_size), tokens: ids.len() as u64 })
+        Some(PrecisePrompt { keys: prompt_keys(&ids, self.block_size), tokens: ids.len() as u64 })
     }
 
     /// Per backend key of `backends`: the leading tokens of `prompt` that engine holds, for
@@ -108,7 +110,7 @@ impl KvEventsShared {
     pub fn matched_tokens(&self, prompt: &PrecisePrompt, backends: &[u64]) -> Vec<Option<u64>> {
         let streams = self.streams.lock();
         let index = self.index.lock();
-        let block = index.block_size() as u64;
+        let block = self.block_size as u64;
         backends
             .iter()
             .map(|key| {
