@@ -135,6 +135,12 @@ async fn a_key_over_its_limits_gets_429_and_other_keys_do_not() {
     assert_eq!(r.status, 429);
     assert!(r.headers.contains_key("retry-after"));
     assert_eq!(r.json().await["error"]["type"], "tokens");
+    // The budget counts the larger of max_tokens and max_completion_tokens, so a small
+    // max_tokens beside a huge max_completion_tokens is not a way around it (#24).
+    let both = json!({"model": "m", "prompt": "hello", "max_tokens": 1, "max_completion_tokens": 100000});
+    let r = call(g.addr, Some(KEY_C), &both).await;
+    assert_eq!(r.status, 429);
+    assert_eq!(r.json().await["error"]["type"], "tokens");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
