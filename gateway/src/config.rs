@@ -89,8 +89,9 @@ pub const DEFAULT_CLOSE_LISTENERS_AFTER_MS: u64 = 5000;
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GatewayConfig {
-    /// OpenAI API listener (also `/-/healthz`, `/-/ready`).
-    pub listen: String,
+    /// OpenAI API listener (also `/-/healthz`, `/-/ready`); `null` turns it off when `epp`
+    /// serves instead.
+    pub listen: Option<String>,
     /// Admin listener (`/metrics`, `/admin/backends`).
     pub admin_listen: String,
     /// Who may read the admin listener.
@@ -134,6 +135,52 @@ pub struct GatewayConfig {
     pub readiness: ReadinessConfig,
     /// Subscribe to the engines' KV-cache events (vLLM's `--kv-events-config`); read at start.
     pub kv_events: Option<KvEventsConfig>,
+    /// Serve as a Gateway API Inference Extension Endpoint Picker (Envoy ext_proc) beside
+    /// or instead of `listen`; read at start.
+    pub epp: Option<EppConfig>,
+}
+
+/// Default `epp.destination_header` (GIE's endpoint picker protocol).
+pub const DEFAULT_DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+
+/// `epp`: the Endpoint Picker. A gateway (Envoy, Istio, kgateway, …) sends each request's
+/// headers and body over ext_proc; the picker answers with the engine to use in
+/// `destination_header` and in the dynamic metadata `envoy.lb`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EppConfig {
+    /// gRPC listener (plaintext h2c; GIE's port is 9002).
+    pub listen: String,
+    /// The header naming the picked endpoint (llm-d: `x-llm-d-gateway-destination-endpoint`).
+    pub destination_header: String,
+    /// Endpoints after the primary in the header, for a gateway that retries down the list
+    /// (Istio, kgateway). 0 for plain Envoy, whose `ORIGINAL_DST` cluster reads one address.
+    pub fallbacks: usize,
+}
+
+impl Default for EppConfig {
+    fn default() -> Self {
+        EppConfig {
+            listen: "127.0.0.1:9002".into(),
+            destination_header: DEFAULT_DESTINATION_HEADER.into(),
+            fallbacks: 0,
+        }
+    }
+}
+
+impl EppConfig {
+    fn validate(&self, errs: &mut Errors) {
+        if self.listen.parse::<SocketAddr>().is_err() {
+            errs.add("epp.listen", &self.listen, "must be IP:PORT");
+        }
+        let h = &self.destination_header;
+        if h.is_empty() || !h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') {
+            errs.add("epp.destination_header", h, "must be a lower-case header name");
+        }
+        if self.fallbacks > 16 {
+            errs.add("epp.fallbacks", self.fallbacks, "must be in 0..=16");
+        }
+    }
 }
 
 /// `kv_events`: the engines' KV-cache events, for a precise block index every gateway
@@ -208,7 +255,7 @@ impl Default for ReadinessConfig {
 impl Default for GatewayConfig {
     fn default() -> Self {
         GatewayConfig {
-            listen: DEFAULT_LISTEN.into(),
+            listen: Some(DEFAULT_LISTEN.into()),
             admin_listen: DEFAULT_ADMIN_LISTEN.into(),
             admin: AdminConfig::default(),
             threads: 0,
@@ -229,6 +276,7 @@ impl Default for GatewayConfig {
             drain: DrainConfig::default(),
             readiness: ReadinessConfig::default(),
             kv_events: None,
+            epp: None,
         }
     }
 }
@@ -288,6 +336,10 @@ pub struct DiscoveryConfig {
     /// Engines found by resolving a name to all its addresses (a headless Service; read at
     /// start).
     pub dns: Option<DnsDiscovery>,
+    /// Engines found through a Gateway API Inference Extension `InferencePool`: its selector
+    /// and target ports over the Pods of its namespace (read at start; the pool's own changes
+    /// apply as they happen).
+    pub inference_pool: Option<InferencePoolDiscovery>,
 }
 
 impl Default for DiscoveryConfig {
@@ -297,6 +349,7 @@ impl Default for DiscoveryConfig {
             resolve_interval_ms: DEFAULT_RESOLVE_INTERVAL_MS,
             kubernetes: None,
             dns: None,
+            inference_pool: None,
         }
     }
 }
@@ -338,7 +391,57 @@ impl DiscoveryConfig {
                 errs.add("discovery.dns", &d.name, "use either discovery.dns or discovery.kubernetes");
             }
         }
+        if let Some(p) = &self.inference_pool {
+            p.validate(errs);
+            if self.kubernetes.is_some() || self.dns.is_some() {
+                errs.add(
+                    "discovery.inference_pool",
+                    &p.name,
+                    "use one of discovery.inference_pool, discovery.kubernetes and discovery.dns",
+                );
+            }
+        }
     }
+}
+
+/// `discovery.inference_pool`: the engines of a Gateway API Inference Extension
+/// `InferencePool` (`inference.networking.k8s.io/v1`): every ready, non-terminating Pod its
+/// selector matches, at each of its target ports.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InferencePoolDiscovery {
+    /// The pool's name.
+    pub name: String,
+    /// The pool's namespace (its Pods are in the same one).
+    pub namespace: String,
+    /// The API server (default: in-cluster service account, else the kubeconfig).
+    #[serde(default)]
+    pub api_server: Option<String>,
+}
+
+impl InferencePoolDiscovery {
+    fn validate(&self, errs: &mut Errors) {
+        if !is_dns_label(&self.name, 253) {
+            errs.add("discovery.inference_pool.name", &self.name, "must be a Kubernetes object name");
+        }
+        if !is_dns_label(&self.namespace, 63) {
+            errs.add("discovery.inference_pool.namespace", &self.namespace, "must be a Kubernetes namespace");
+        }
+        if let Some(url) = &self.api_server {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                errs.add("discovery.inference_pool.api_server", url, "must be an http(s) URL");
+            }
+        }
+    }
+}
+
+/// A lowercase RFC 1123 name (`[a-z0-9]([-.a-z0-9]*[a-z0-9])?`) of at most `max` bytes.
+fn is_dns_label(s: &str, max: usize) -> bool {
+    !s.is_empty()
+        && s.len() <= max
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        && s.as_bytes()[0].is_ascii_alphanumeric()
+        && s.as_bytes()[s.len() - 1].is_ascii_alphanumeric()
 }
 
 /// `discovery.dns`: every address of `name` is an engine on `port`.
@@ -938,13 +1041,26 @@ impl GatewayConfig {
     /// Check every field (pure: no file is read); all problems at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut errs = Errors::default();
-        for (name, v) in [("listen", &self.listen), ("admin_listen", &self.admin_listen)] {
+        let listeners = [("listen", self.listen.as_ref()), ("admin_listen", Some(&self.admin_listen))];
+        for (name, v) in listeners.into_iter().filter_map(|(n, v)| Some((n, v?))) {
             if v.parse::<SocketAddr>().is_err() {
                 errs.add(name, v, "must be IP:PORT");
             }
         }
-        if self.listen == self.admin_listen && !self.listen.ends_with(":0") {
+        if self.listen.as_ref() == Some(&self.admin_listen) && !self.admin_listen.ends_with(":0") {
             errs.add("admin_listen", &self.admin_listen, "must differ from listen");
+        }
+        match &self.epp {
+            Some(epp) => {
+                epp.validate(&mut errs);
+                if [self.listen.as_ref(), Some(&self.admin_listen)].contains(&Some(&epp.listen))
+                    && !epp.listen.ends_with(":0")
+                {
+                    errs.add("epp.listen", &epp.listen, "must differ from listen and admin_listen");
+                }
+            }
+            None if self.listen.is_none() => errs.add("listen", "null", "must be set unless epp serves instead"),
+            None => {}
         }
         self.admin.validate(&mut errs);
         if let Some(k) = &self.kv_events {
@@ -1115,6 +1231,31 @@ discovery:
             "discovery.kubernetes.api_server",
             "admission.max_queue",
             "admission.saturated_kv_usage",
+        ] {
+            assert!(err.contains(needle), "missing {needle:?} in:\n{err}");
+        }
+    }
+
+    #[test]
+    fn an_inference_pool_is_named_and_alone() {
+        let cfg =
+            GatewayConfig::parse("discovery:\n  inference_pool: { name: llama-pool, namespace: serving }\n").unwrap();
+        let pool = cfg.discovery.inference_pool.unwrap();
+        assert_eq!((pool.name.as_str(), pool.namespace.as_str(), pool.api_server), ("llama-pool", "serving", None));
+        let err = GatewayConfig::parse(
+            r#"
+discovery:
+  inference_pool: { name: "Pool!", namespace: "", api_server: "ftp://k" }
+  dns: { name: engines, port: 8000 }
+"#,
+        )
+        .unwrap_err()
+        .to_string();
+        for needle in [
+            "discovery.inference_pool.name",
+            "discovery.inference_pool.namespace",
+            "discovery.inference_pool.api_server",
+            "use one of discovery.inference_pool, discovery.kubernetes and discovery.dns",
         ] {
             assert!(err.contains(needle), "missing {needle:?} in:\n{err}");
         }

@@ -72,8 +72,8 @@ pub struct Edge<A> {
 
 impl<A> Edge<A> {
     /// `app` behind the limits of `state`'s live config.
-    pub fn new(app: A, state: Arc<GatewayState>) -> Self {
-        Edge { app: Arc::new(app), state, slots: ConnectionSlots::default() }
+    pub fn new(app: Arc<A>, state: Arc<GatewayState>) -> Self {
+        Edge { app, state, slots: ConnectionSlots::default() }
     }
 }
 

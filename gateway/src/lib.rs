@@ -10,7 +10,8 @@
 //!   the API listener's connections (how many, how long before they speak);
 //! - [`config`] (file, validation) → [`state`] (what is in force, swapped atomically) →
 //!   [`cluster`] (backends, health) → [`policy`] (pure routing decisions);
-//! - [`proxy`] is the request path, as named phases over one per-request context;
+//! - [`proxy`] is the request path, as named phases over one per-request context; [`epp`]
+//!   runs the same phases for another gateway (Envoy's ext_proc), which makes the exchange;
 //! - background services: [`scrape`] (engine load), [`discovery`] (static, DNS,
 //!   Kubernetes), [`reload`] (config, certificates, pool sweep); [`drain`] on SIGTERM;
 //! - [`admin`] and [`metrics`]; [`auth`], [`admission`], [`retry`] and [`pool`] are the
@@ -31,6 +32,7 @@ pub mod config;
 pub(crate) mod connection;
 pub(crate) mod discovery;
 pub(crate) mod drain;
+pub(crate) mod epp;
 pub mod error;
 pub(crate) mod ewma;
 #[cfg(feature = "fuzzing")]

@@ -56,6 +56,8 @@ pub struct GatewayMetrics {
     pub connections_refused: IntCounter,
     /// Connections closed after `limits.idle_connection_timeout_ms` with no request.
     pub idle_connections_closed: IntCounter,
+    /// ext_proc streams ended for a message the Endpoint Picker protocol does not allow.
+    pub epp_protocol_errors: IntCounter,
     /// Request body bytes buffered now, process-wide (`limits.max_buffered_body_bytes`).
     pub buffered_body_bytes: IntGauge,
     /// KV-event batches applied, by backend.
@@ -145,6 +147,10 @@ impl GatewayMetrics {
                 "switchyard_idle_connections_closed_total",
                 "HTTP/1 keep-alive connections closed after limits.idle_connection_timeout_ms without a request.",
             )?,
+            epp_protocol_errors: IntCounter::new(
+                "switchyard_epp_protocol_errors_total",
+                "ext_proc streams the Endpoint Picker ended for a message out of protocol order",
+            )?,
             kv_event_batches: IntCounterVec::new(
                 Opts::new("switchyard_kv_events_batches_total", "Engine KV-event batches applied to the index."),
                 &["backend"],
@@ -200,6 +206,7 @@ impl GatewayMetrics {
         m.registry.register(Box::new(m.client_connections.clone()))?;
         m.registry.register(Box::new(m.connections_refused.clone()))?;
         m.registry.register(Box::new(m.idle_connections_closed.clone()))?;
+        m.registry.register(Box::new(m.epp_protocol_errors.clone()))?;
         m.registry.register(Box::new(m.buffered_body_bytes.clone()))?;
         m.registry.register(Box::new(m.kv_event_batches.clone()))?;
         m.registry.register(Box::new(m.kv_event_gaps.clone()))?;

@@ -104,8 +104,9 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
         graceful_shutdown_timeout_seconds: Some(1),
         ..ServerConf::default()
     };
-    let (api_socket, api_addr) = bind("listen", &config.listen)?;
+    let api = config.listen.as_deref().map(|addr| bind("listen", addr)).transpose()?;
     let (admin_socket, admin_addr) = bind("admin_listen", &config.admin_listen)?;
+    let epp = config.epp.clone().map(|e| bind("epp.listen", &e.listen).map(|s| (e, s))).transpose()?;
     let certs = config.tls.as_ref().map(tls::CertStore::load).transpose().map_err(|e| anyhow::anyhow!("tls: {e}"))?;
     let http2 = config.tls.as_ref().is_some_and(|t| t.http2);
     let tokenizer = match config.kv_events.as_ref().and_then(|k| k.tokenizer.as_ref()) {
@@ -122,24 +123,32 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
 
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
-    let edge = connection::Edge::new(proxy::ProxyApp::new(state.clone()), state.clone());
-    let mut proxy = Service::new("switchyard-proxy".into(), edge);
-    let api = api_addr.to_string();
-    match &certs {
-        Some(store) => {
-            let mut settings = pingora::listeners::tls::TlsSettings::intermediate("", "")?;
-            settings.set_cert_resolver(store.clone());
-            if http2 {
-                settings.enable_h2();
+    let app = std::sync::Arc::new(proxy::ProxyApp::new(state.clone()));
+    let api_addr = api.as_ref().map(|(_, addr)| *addr);
+    if let Some((api_socket, api_addr)) = api {
+        let edge = connection::Edge::new(app.clone(), state.clone());
+        let mut proxy = Service::new("switchyard-proxy".into(), edge);
+        let listen = api_addr.to_string();
+        match &certs {
+            Some(store) => {
+                let mut settings = pingora::listeners::tls::TlsSettings::intermediate("", "")?;
+                settings.set_cert_resolver(store.clone());
+                if http2 {
+                    settings.enable_h2();
+                }
+                proxy.add_listener(ListenerConfig::tcp(&listen).tls(settings).l4_buffer(client_buffers()));
             }
-            proxy.add_listener(ListenerConfig::tcp(&api).tls(settings).l4_buffer(client_buffers()));
+            None => proxy.add_listener(ListenerConfig::tcp(&listen).l4_buffer(client_buffers())),
         }
-        None => proxy.add_listener(ListenerConfig::tcp(&api).l4_buffer(client_buffers())),
+        server.add_service(PreBound { inner: proxy, sockets: vec![(api_addr, api_socket)] });
     }
     let mut admin = Service::new("switchyard-admin".into(), admin::AdminApp::new(state.clone()));
     admin.add_tcp(&admin_addr.to_string());
-    server.add_service(PreBound { inner: proxy, sockets: vec![(api_addr, api_socket)] });
     server.add_service(PreBound { inner: admin, sockets: vec![(admin_addr, admin_socket)] });
+    let epp_addr = epp.as_ref().map(|(_, (_, addr))| *addr);
+    if let Some((settings, (socket, _))) = epp {
+        server.add_service(background_service("epp", crate::epp::EppService::new(app, settings, socket)));
+    }
     server.add_service(background_service("scraper", scrape::Scraper::new(state.active.clone())));
     let discovery_cfg = state.active.load().config.discovery.clone();
     let publisher = || {
@@ -152,6 +161,10 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     if let Some(k) = discovery_cfg.kubernetes {
         let service = discovery::kubernetes::K8sDiscovery::new(publisher(), k);
         server.add_service(background_service("kubernetes-discovery", service));
+    }
+    if let Some(p) = discovery_cfg.inference_pool {
+        let service = discovery::inference_pool::PoolDiscovery::new(publisher(), p);
+        server.add_service(background_service("inference-pool-discovery", service));
     }
     if let Some(limits) = state.shared_limits.clone() {
         server.add_service(background_service("shared-limits", crate::shared_limits::Heartbeat(limits)));
@@ -170,9 +183,15 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
         )
     };
     server.add_service(background_service("config-reloader", reload::Reloader::new(state, config_path, certs.clone())));
-    tracing::info!(listen = %api_addr, admin_listen = %admin_addr, threads, tls = certs.is_some(), "switchyard-gateway starting");
+    tracing::info!(listen = ?api_addr, admin_listen = %admin_addr, epp_listen = ?epp_addr, threads,
+        tls = certs.is_some(), "switchyard-gateway starting");
     // Lines a supervisor (or a test that asked for port 0) waits for: the sockets listen now.
-    println!("listening on {}://{api_addr}", if certs.is_some() { "https" } else { "http" });
+    if let Some(addr) = epp_addr {
+        println!("epp listening on grpc://{addr}");
+    }
+    if let Some(addr) = api_addr {
+        println!("listening on {}://{addr}", if certs.is_some() { "https" } else { "http" });
+    }
     println!("admin listening on http://{admin_addr}");
     server.run(RunArgs { shutdown_signal: Box::new(drain) });
     Ok(())

@@ -44,7 +44,7 @@ pub enum Fault {
 pub struct Seen {
     /// Every request line read (`GET /metrics HTTP/1.1`, scrapes included), in order.
     pub lines: Mutex<Vec<String>>,
-    /// POST requests read (head and body, as received).
+    /// POST requests read (head as received, body decoded when chunked).
     pub requests: Mutex<Vec<Vec<u8>>>,
     /// Connections accepted (scrapes included).
     pub connections: AtomicUsize,
@@ -198,7 +198,60 @@ async fn serve(mut stream: TcpStream, fault: Arc<Mutex<Fault>>, seen: Arc<Seen>)
     }
 }
 
-/// Read one request into `buf`: (head length, body length), or None at EOF.
+/// Read more of the connection into `buf`; None at EOF.
+async fn fill(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<()> {
+    let mut chunk = [0u8; 16 * 1024];
+    let n = stream.read(&mut chunk).await.ok().filter(|&n| n > 0)?;
+    buf.extend_from_slice(&chunk[..n]);
+    Some(())
+}
+
+/// The end of the line starting at `at` in `buf` (reading more as needed).
+async fn line_end(stream: &mut TcpStream, buf: &mut Vec<u8>, at: usize) -> Option<usize> {
+    loop {
+        if let Some(i) = buf[at..].windows(2).position(|w| w == b"\r\n") {
+            return Some(at + i);
+        }
+        fill(stream, buf).await?;
+    }
+}
+
+/// Decode the chunked body that starts at `head_len` in `buf`: afterwards `buf` holds the head,
+/// the decoded body and whatever followed. The decoded length, or None at EOF.
+async fn dechunk(stream: &mut TcpStream, buf: &mut Vec<u8>, head_len: usize) -> Option<usize> {
+    let (mut body, mut at) = (Vec::new(), head_len);
+    loop {
+        let end = line_end(stream, buf, at).await?;
+        let size = String::from_utf8_lossy(&buf[at..end]).split(';').next()?.trim().to_string();
+        let size = usize::from_str_radix(&size, 16).ok()?;
+        at = end + 2;
+        if size == 0 {
+            // Trailers, up to an empty line.
+            loop {
+                let end = line_end(stream, buf, at).await?;
+                let empty = end == at;
+                at = end + 2;
+                if empty {
+                    break;
+                }
+            }
+            break;
+        }
+        while buf.len() < at + size + 2 {
+            fill(stream, buf).await?;
+        }
+        body.extend_from_slice(&buf[at..at + size]);
+        at += size + 2;
+    }
+    let rest = buf.split_off(at);
+    buf.truncate(head_len);
+    buf.extend_from_slice(&body);
+    buf.extend_from_slice(&rest);
+    Some(body.len())
+}
+
+/// Read one request into `buf` (a chunked body decoded): (head length, body length), or None
+/// at EOF.
 async fn read_request(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<(usize, usize)> {
     let mut chunk = [0u8; 16 * 1024];
     let head_len = loop {
@@ -209,6 +262,10 @@ async fn read_request(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<(usiz
         buf.extend_from_slice(&chunk[..n]);
     };
     let head = String::from_utf8_lossy(&buf[..head_len]).to_ascii_lowercase();
+    if head.lines().any(|l| l.starts_with("transfer-encoding:") && l.contains("chunked")) {
+        let body_len = dechunk(stream, buf, head_len).await?;
+        return Some((head_len, body_len));
+    }
     let body_len = head
         .lines()
         .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap_or(0)))

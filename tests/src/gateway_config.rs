@@ -48,6 +48,11 @@ enum Discovery {
         port: u16,
         interval_ms: u64,
     },
+    InferencePool {
+        name: String,
+        namespace: String,
+        api_server: String,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -219,6 +224,14 @@ impl GatewayConfigBuilder {
         self
     }
 
+    /// Backends from an InferencePool's Pods.
+    pub fn inference_pool(mut self, namespace: &str, name: &str, api_server: &str) -> Self {
+        assert!(matches!(self.discovery, Discovery::None), "two discovery sources");
+        self.discovery =
+            Discovery::InferencePool { name: name.into(), namespace: namespace.into(), api_server: api_server.into() };
+        self
+    }
+
     /// Backends from every address of a DNS name.
     pub fn dns(mut self, name: &str, port: u16, interval_ms: u64) -> GatewayConfigBuilder {
         assert!(matches!(self.discovery, Discovery::None), "two discovery sources");
@@ -345,6 +358,12 @@ impl GatewayConfigBuilder {
             }
             Discovery::Dns { name, port, interval_ms } => {
                 let _ = writeln!(y, "discovery:\n  dns: {{ name: {name}, port: {port}, interval_ms: {interval_ms} }}");
+            }
+            Discovery::InferencePool { name, namespace, api_server } => {
+                let _ = writeln!(
+                    y,
+                    "discovery:\n  inference_pool: {{ name: {name}, namespace: {namespace}, api_server: \"{api_server}\" }}"
+                );
             }
         }
         if let Some(p) = &self.policy {

