@@ -58,6 +58,8 @@ pub struct GatewayMetrics {
     pub idle_connections_closed: IntCounter,
     /// ext_proc streams ended for a message the Endpoint Picker protocol does not allow.
     pub epp_protocol_errors: IntCounter,
+    /// ext_proc streams open now.
+    pub epp_streams: IntGauge,
     /// Request body bytes buffered now, process-wide (`limits.max_buffered_body_bytes`).
     pub buffered_body_bytes: IntGauge,
     /// KV-event batches applied, by backend.
@@ -151,6 +153,7 @@ impl GatewayMetrics {
                 "switchyard_epp_protocol_errors_total",
                 "ext_proc streams the Endpoint Picker ended for a message out of protocol order",
             )?,
+            epp_streams: IntGauge::new("switchyard_epp_streams", "ext_proc streams the Endpoint Picker has open.")?,
             kv_event_batches: IntCounterVec::new(
                 Opts::new("switchyard_kv_events_batches_total", "Engine KV-event batches applied to the index."),
                 &["backend"],
@@ -207,6 +210,7 @@ impl GatewayMetrics {
         m.registry.register(Box::new(m.connections_refused.clone()))?;
         m.registry.register(Box::new(m.idle_connections_closed.clone()))?;
         m.registry.register(Box::new(m.epp_protocol_errors.clone()))?;
+        m.registry.register(Box::new(m.epp_streams.clone()))?;
         m.registry.register(Box::new(m.buffered_body_bytes.clone()))?;
         m.registry.register(Box::new(m.kv_event_batches.clone()))?;
         m.registry.register(Box::new(m.kv_event_gaps.clone()))?;

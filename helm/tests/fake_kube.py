@@ -20,6 +20,7 @@ GROUPS = {
     "rbac.authorization.k8s.io/v1": [("roles", "Role", True), ("rolebindings", "RoleBinding", True)],
     "networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy", True), ("ingresses", "Ingress", True)],
     "gateway.networking.k8s.io/v1": [("httproutes", "HTTPRoute", True)],
+    "inference.networking.k8s.io/v1": [("inferencepools", "InferencePool", True)],
     "discovery.k8s.io/v1": [("endpointslices", "EndpointSlice", True)],
     "keda.sh/v1alpha1": [("scaledobjects", "ScaledObject", True)],
     "monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor", True)],

@@ -3,15 +3,18 @@
 
 1. `helm lint` through the Helm library in `helm-sdkpy`.
 2. For the defaults, every values example in `helm/examples/` (bundled CPU engine, vLLM on
-   GPUs with TP 4, KEDA autoscaling from zero, the TLS + API-key edge) and every option on,
-   the chart is installed with Helm's real engine into a fake Kubernetes API server
-   (`fake_kube.py`), which records every object.
+   GPUs with TP 4, KEDA autoscaling from zero, the TLS + API-key edge, the Endpoint Picker of
+   an InferencePool) and every option on (in each mode), the chart is installed with Helm's
+   real engine into a fake Kubernetes API server (`fake_kube.py`), which records every object.
 3. Every recorded object of a built-in kind is validated against the Kubernetes 1.31 JSON
-   schemas (`kubernetes-validate`, strict: unknown fields are errors); KEDA's ScaledObject and
-   the ServiceMonitor are checked field by field.
+   schemas (`kubernetes-validate`, strict: unknown fields are errors); KEDA's ScaledObject,
+   the ServiceMonitor and the HTTPRoute against their CRDs (`validate_crds.mjs`); the
+   InferencePool, which no npm package models, field by field against the GA v1 CRD here
+   (`inference_pool_errors`).
 4. The gateway config the chart renders is accepted by `switchyard-gateway --validate`, and
    the facts the chart promises hold (probes, drain timing, GPUs, RBAC, checksums, TLS and
-   API-key Secrets mounted where the config reads them). `--validate` reads the TLS
+   API-key Secrets mounted where the config reads them; mode: epp: the InferencePool selects
+   the engine pods at their sidecar's port and names the picker's Service and gRPC port). `--validate` reads the TLS
    certificate and the keys file, so the Secrets the Deployment mounts are materialized the
    way the kubelet would — a self-signed certificate made with `openssl`, a keys.yaml — in a
    temporary directory, and the mount paths in the config are pointed there first.
@@ -61,6 +64,22 @@ SCENARIOS["everything-on"] = {
     "redis": {"enabled": True},
     "engine": {"replicas": 3, "shim": {"drainTimeoutSeconds": 60, "allowPaths": ["/v1/load_lora_adapter"],
                                        "adminTokenSecret": "shim-admin"}},
+}
+# The Endpoint Picker with every option that applies to it: another port, llm-d's header,
+# fallbacks, FailOpen, no HTTPRoute (the user writes their own), KEDA, API keys shared through
+# Redis, an admin token, NetworkPolicies naming the Gateway's proxies.
+PROXIES = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "envoy-gateway-system"}}}]
+SCENARIOS["epp-everything-on"] = {
+    "mode": "epp",
+    "epp": {"port": 9102, "destinationHeader": "x-llm-d-gateway-destination-endpoint", "fallbacks": 2,
+            "failureMode": "FailOpen"},
+    "gateway": {"hpa": {"enabled": True}, "admin": {"tokenSha256": "ab" * 32},
+                "auth": {"enabled": True, "existingSecret": "api-keys", "keys": [OPS_KEY],
+                         "sharedLimits": {"enabled": True}},
+                "service": {"annotations": {"example.com/owner": "ml-platform"}}},
+    "serviceMonitor": {"enabled": True, "bearerTokenSecret": "admin-token"}, "networkPolicy": {"enabled": True, "gatewayProxies": PROXIES},
+    "grafanaDashboard": {"enabled": True}, "redis": {"enabled": True}, "keda": {"enabled": True},
+    "engine": {"shim": {"port": 8101}},
 }
 
 with open(os.path.join(CHART, "values.yaml")) as fh:
@@ -147,8 +166,10 @@ def gateway_validate(gateway_bin, text):
 
 
 REGISTRY = {"image": {"registry": "registry.example.com/ml"}}
-# Kinds kubernetes-validate does not know, checked against their CRDs by validate_crds.mjs.
-CUSTOM_KINDS = ("ScaledObject", "ServiceMonitor", "HTTPRoute")
+# Kinds kubernetes-validate does not know: checked against their CRDs by validate_crds.mjs,
+# the InferencePool by inference_pool_errors.
+CRD_KINDS = ("ScaledObject", "ServiceMonitor", "HTTPRoute")
+CUSTOM_KINDS = CRD_KINDS + ("InferencePool",)
 
 
 async def install(values, name="sy", registry=True):
@@ -187,9 +208,89 @@ def validate_crds(objs):
     return subprocess.run(["node", script, modules], input=json.dumps(objs), capture_output=True, text=True)
 
 
+# The InferencePool's GA v1 CRD (inference.networking.k8s.io/v1, Gateway API Inference
+# Extension v1.0), which no npm package models: its OpenAPI constraints, written out. Later
+# releases relax some (up to 8 targetPorts, an optional endpointPickerRef); a pool valid here
+# is valid there too.
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                       r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+KIND = re.compile(r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$")
+
+
+def inference_pool_errors(o):
+    """What is wrong with the InferencePool O against the GA v1 CRD (empty: valid). Unknown
+    fields count as errors, as with kubernetes-validate's strict mode."""
+    errs = []
+
+    def fields(obj, path, allowed, required=()):
+        if not isinstance(obj, dict):
+            errs.append(f"{path}: must be an object")
+            return False
+        errs.extend(f"{path}.{k}: unknown field" for k in obj if k not in allowed)
+        errs.extend(f"{path}.{k}: required" for k in required if k not in obj)
+        return True
+
+    def port(p, path):
+        if fields(p, path, ("number",), ("number",)):
+            n = p.get("number")
+            if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 65535):
+                errs.append(f"{path}.number: {n!r} must be an integer in 1..65535")
+
+    if o.get("apiVersion") != "inference.networking.k8s.io/v1" or o.get("kind") != "InferencePool":
+        errs.append(f"apiVersion/kind: {o.get('apiVersion')}/{o.get('kind')}")
+    fields(o, "", ("apiVersion", "kind", "metadata", "spec", "status"), ("spec",))
+    name = o.get("metadata", {}).get("name", "")
+    if not (DNS_SUBDOMAIN.match(name) and len(name) <= 253):
+        errs.append(f"metadata.name: {name!r} must be a DNS subdomain")
+    spec = o.get("spec")
+    if not fields(spec, "spec", ("selector", "targetPorts", "endpointPickerRef"),
+                  ("selector", "targetPorts", "endpointPickerRef")):
+        return errs
+    sel = spec.get("selector")
+    if "selector" in spec and fields(sel, "spec.selector", ("matchLabels",), ("matchLabels",)):
+        labels = sel.get("matchLabels")
+        if not isinstance(labels, dict) or not labels or len(labels) > 64:
+            errs.append(f"spec.selector.matchLabels: {labels!r} must be a map of 1..64 labels")
+        else:
+            for k, v in labels.items():
+                if not (LABEL_KEY.match(k) and len(k.split("/")[0]) <= 253):
+                    errs.append(f"spec.selector.matchLabels: {k!r} is no label key")
+                if not (isinstance(v, str) and LABEL_VALUE.match(v) and len(v) <= 63):
+                    errs.append(f"spec.selector.matchLabels.{k}: {v!r} is no label value")
+    ports = spec.get("targetPorts")
+    if "targetPorts" in spec:
+        if not isinstance(ports, list) or len(ports) != 1:
+            errs.append(f"spec.targetPorts: {ports!r} must list exactly one port (minItems 1, maxItems 1)")
+        else:
+            port(ports[0], "spec.targetPorts[0]")
+    ref = spec.get("endpointPickerRef")
+    if "endpointPickerRef" in spec and fields(ref, "spec.endpointPickerRef",
+                                              ("group", "kind", "name", "port", "failureMode"), ("name",)):
+        group, kind, name = ref.get("group", ""), ref.get("kind", "Service"), ref.get("name")
+        if not (isinstance(group, str) and len(group) <= 253 and (group == "" or DNS_SUBDOMAIN.match(group))):
+            errs.append(f"spec.endpointPickerRef.group: {group!r}")
+        if not (isinstance(kind, str) and 1 <= len(kind) <= 63 and KIND.match(kind)):
+            errs.append(f"spec.endpointPickerRef.kind: {kind!r}")
+        if not (isinstance(name, str) and 1 <= len(name) <= 253):
+            errs.append(f"spec.endpointPickerRef.name: {name!r} must be 1..253 characters")
+        if "port" in ref:
+            port(ref["port"], "spec.endpointPickerRef.port")
+        elif kind == "Service":
+            errs.append("spec.endpointPickerRef.port: required when kind is Service (the default)")
+        if ref.get("failureMode", "FailClose") not in ("FailOpen", "FailClose"):
+            errs.append(f"spec.endpointPickerRef.failureMode: {ref.get('failureMode')!r} is not FailOpen or FailClose")
+    return errs
+
+
 def check_scenario(name, values, release, objs, gateway_bin):
     tag = f"[{name}]"
-    custom = [o for o in objs if o.get("kind") in CUSTOM_KINDS]
+    epp = merged(DEFAULTS, values)["mode"] == "epp"
+    custom = [o for o in objs if o.get("kind") in CRD_KINDS]
+    for o in by_kind(objs, "InferencePool"):
+        errs = inference_pool_errors(o)
+        check(not errs, f"{tag} InferencePool/{o['metadata'].get('name')} against the GA v1 CRD: {errs}")
     if custom:
         r = validate_crds(custom)
         check(r.returncode == 0, f"{tag} custom resources against their CRD schemas: {r.stdout}{r.stderr}")
@@ -225,9 +326,16 @@ def check_scenario(name, values, release, objs, gateway_bin):
         token = merged(DEFAULTS, values)["gateway"]["admin"]["tokenSha256"]
         check(cfg.get("admin") == ({"token_sha256": token} if token else None),
               f"{tag} admin.token_sha256 is gateway.admin.tokenSha256: {cfg.get('admin')}")
-        k8s = cfg["discovery"].get("kubernetes", {})
-        check(k8s == {"namespace": NS, "service": "sy-switchyard-engine", "port_name": "shim"},
-              f"{tag} engines are discovered through the engine Service's EndpointSlices: {cfg['discovery']}")
+        if epp:
+            check(cfg["discovery"] == {"inference_pool": {"name": "sy-switchyard", "namespace": NS}},
+                  f"{tag} mode: epp: engines are discovered through the InferencePool, nothing else: {cfg['discovery']}")
+        else:
+            k8s = cfg["discovery"].get("kubernetes", {})
+            check(k8s == {"namespace": NS, "service": "sy-switchyard-engine", "port_name": "shim"},
+                  f"{tag} engines are discovered through the engine Service's EndpointSlices: {cfg['discovery']}")
+            port = merged(DEFAULTS, values)["gateway"]["port"]
+            check("epp" not in cfg and cfg.get("listen") == f"0.0.0.0:{port}",
+                  f"{tag} mode: edge: the API listener, no Endpoint Picker: {cfg.get('listen')}, {cfg.get('epp')}")
         svc = next(o for o in by_kind(objs, "Service") if o["metadata"]["name"] == "sy-switchyard-engine")
         check(not svc["spec"].get("publishNotReadyAddresses") and any(p["name"] == "shim" for p in svc["spec"]["ports"]),
               f"{tag} the engine Service publishes ready pods only, on the port named shim")
@@ -240,7 +348,11 @@ def check_scenario(name, values, release, objs, gateway_bin):
               or checksum == hashlib.sha256(text.encode()).hexdigest(),
               f"{tag} the Deployment's checksum/config is the config's sha256")
         gw = container(dep["spec"]["template"]["spec"], "gateway")
-        check(gw["readinessProbe"]["httpGet"]["path"] == "/-/ready", f"{tag} gateway readiness is /-/ready")
+        if epp:
+            check_epp(tag, merged(DEFAULTS, values), cfg, objs, release)
+        else:
+            check(gw["readinessProbe"]["httpGet"]["path"] == "/-/ready", f"{tag} gateway readiness is /-/ready")
+            check(not by_kind(objs, "InferencePool"), f"{tag} no InferencePool unless mode: epp")
 
     # Engines: sidecar, readiness, drain timing, shm, cache, GPUs.
     sts = by_kind(objs, "StatefulSet")
@@ -291,14 +403,16 @@ def check_scenario(name, values, release, objs, gateway_bin):
             check(spec.get("initContainers"), f"{tag} the model is fetched into the cache")
 
     role = by_kind(objs, "Role")
-    check(role and any("endpointslices" in r["resources"] and set(r["verbs"]) == {"get", "list", "watch"}
-                       for r in role[0]["rules"]), f"{tag} the Role reads EndpointSlices")
+    if not epp:
+        check(role and any("endpointslices" in r["resources"] and set(r["verbs"]) == {"get", "list", "watch"}
+                           for r in role[0]["rules"]), f"{tag} the Role reads EndpointSlices")
     pdbs = by_kind(objs, "PodDisruptionBudget")
     check(pdbs and all(p["spec"].get("unhealthyPodEvictionPolicy") == "AlwaysAllow" for p in pdbs),
           f"{tag} a PodDisruptionBudget that lets unhealthy pods be evicted (node drains never block)")
     notes = release.get("info", {}).get("notes") or ""
     model = values.get("engine", {}).get("model", "SmolLM2-135M-Instruct")
-    check("://127.0.0.1:8080/v1/chat/completions" in notes and f'"model": "{model}"' in notes,
+    url = "http://$GATEWAY/v1/chat/completions" if epp else "://127.0.0.1:8080/v1/chat/completions"
+    check(url in notes and f'"model": "{model}"' in notes,
           f"{tag} NOTES.txt has a working curl for the served model: {notes!r}")
 
     so = by_kind(objs, "ScaledObject")
@@ -349,7 +463,9 @@ def check_scenario(name, values, release, objs, gateway_bin):
 
     # Ways in from outside: an Ingress / HTTPRoute to the gateway's API port.
     gwv = merged(DEFAULTS, values)["gateway"]
-    ing, routes = by_kind(objs, "Ingress"), by_kind(objs, "HTTPRoute")
+    # (mode: epp's HTTPRoute to the InferencePool is check_epp's.)
+    ing = by_kind(objs, "Ingress")
+    routes = [r for r in by_kind(objs, "HTTPRoute") if r["metadata"]["name"] == "sy-switchyard-gateway"]
     if gwv["ingress"]["enabled"]:
         backend = ing[0]["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"] if ing else {}
         check(backend == {"name": "sy-switchyard-gateway", "port": {"name": "http"}}
@@ -411,15 +527,18 @@ def secret_mount(pod, ctr, name):
 
 
 def check_edge(tag, v, cfg, text, objs, release):
-    """TLS, API keys and drain: values -> config, mounts, probes, Service, grace period."""
+    """TLS, API keys and drain: values -> config, mounts, probes, Service, grace period. In
+    mode: epp only what applies there (no API port, so no TLS; probes are check_epp's)."""
     gwv = v["gateway"]
+    epp = v["mode"] == "epp"
     dep = gateway_deployment(objs)
     pod = dep["spec"]["template"]["spec"]
     gw = container(pod, "gateway")
     notes = release.get("info", {}).get("notes") or ""
     svc = next(o for o in by_kind(objs, "Service") if o["metadata"]["name"] == "sy-switchyard-gateway")
-    http_port = next(p for p in svc["spec"]["ports"] if p["name"] == "http")
-    ready, live = gw["readinessProbe"]["httpGet"], gw["livenessProbe"]["httpGet"]
+    http_port = next((p for p in svc["spec"]["ports"] if p["name"] == "http"), None)
+    check(epp == (http_port is None), f"{tag} the gateway Service has an http port exactly in mode: edge: {svc['spec']['ports']}")
+    ready, live = gw["readinessProbe"].get("httpGet"), gw["livenessProbe"].get("httpGet")
 
     check("request_body_ms" not in text and "shutdown" not in cfg,
           f"{tag} no removed keys (timeouts.request_body_ms, shutdown) in the config")
@@ -434,9 +553,13 @@ def check_edge(tag, v, cfg, text, objs, release):
           f"its drain ({grace} s)")
 
     # The admin port (liveness, metrics) is plain HTTP whatever gateway.tls says.
-    check(live == {"path": "/-/healthz", "port": "admin", "scheme": "HTTP"}, f"{tag} liveness is HTTP on admin: {live}")
+    if not epp:
+        check(live == {"path": "/-/healthz", "port": "admin", "scheme": "HTTP"}, f"{tag} liveness is HTTP on admin: {live}")
     vol, mnt = secret_mount(pod, gw, "tls")
-    if gwv["tls"]["enabled"]:
+    if epp:
+        # No API port, so no gateway.tls (refused in mode: epp: TLS is the Gateway's).
+        check("tls" not in cfg and vol is None and mnt is None, f"{tag} mode: epp: no tls: block and no TLS volume")
+    elif gwv["tls"]["enabled"]:
         want = {"cert_file": f"{TLS_DIR}/tls.crt", "key_file": f"{TLS_DIR}/tls.key"}
         if gwv["tls"].get("http2") is not None:
             want["http2"] = gwv["tls"]["http2"]
@@ -500,6 +623,128 @@ def check_edge(tag, v, cfg, text, objs, release):
         check(not redis_deps, f"{tag} no Redis unless redis.enabled")
 
 
+def selects(selector, labels):
+    """Whether matchLabels SELECTOR selects a pod with LABELS."""
+    return bool(selector) and selector.items() <= labels.items()
+
+
+def check_epp(tag, v, cfg, objs, release):
+    """mode: epp: the gateway serves the Endpoint Picker (config, gRPC port, gRPC probes, its
+    Service), the InferencePool selects the engine pods at the port the gateway sends to and
+    names that Service and port, the Role reads the pool and Pods, the HTTPRoute (when asked
+    for) sends a Gateway's traffic to the pool, and nothing of the edge's ways in is left."""
+    e, pool_name, gw_name = v["epp"], "sy-switchyard", "sy-switchyard-gateway"
+    dep = gateway_deployment(objs)
+    pod = dep["spec"]["template"]["spec"]
+    gw = container(pod, "gateway")
+    services = {o["metadata"]["name"]: o for o in by_kind(objs, "Service")}
+
+    # The config: no API listener; the picker on the gRPC port with the values' header.
+    check("listen" in cfg and cfg["listen"] is None, f"{tag} listen: null (no API listener): {cfg.get('listen')!r}")
+    want = {"listen": f"0.0.0.0:{e['port']}", "destination_header": e["destinationHeader"], "fallbacks": e["fallbacks"]}
+    check(cfg.get("epp") == want, f"{tag} the config's epp: is {want}: {cfg.get('epp')}")
+    check(cfg.get("admin_listen") == f"0.0.0.0:{v['gateway']['adminPort']}", f"{tag} the admin listener stays")
+
+    # The container: the gRPC port (and admin), gRPC health probes on it under GIE's names.
+    ports = {p["name"]: p["containerPort"] for p in gw["ports"]}
+    check(ports == {"grpc": e["port"], "admin": v["gateway"]["adminPort"]},
+          f"{tag} the gateway container serves grpc ({e['port']}) and admin, no API port: {gw['ports']}")
+    check(gw["readinessProbe"].get("grpc") == {"port": e["port"], "service": "readiness"}
+          and "httpGet" not in gw["readinessProbe"],
+          f"{tag} readiness is the gRPC health service readiness on the picker's port: {gw['readinessProbe']}")
+    check(gw["livenessProbe"].get("grpc") == {"port": e["port"], "service": "liveness"}
+          and "httpGet" not in gw["livenessProbe"],
+          f"{tag} liveness is the gRPC health service liveness on the picker's port: {gw['livenessProbe']}")
+
+    # The picker's Service: ClusterIP, the gRPC port as h2c, onto the gateway pods.
+    svc = services.get(gw_name)
+    svc_ports = svc["spec"]["ports"] if svc else []
+    check(svc and svc["spec"]["type"] == "ClusterIP" and svc_ports == [
+        {"name": "grpc", "port": e["port"], "targetPort": "grpc", "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}],
+        f"{tag} the picker's Service is ClusterIP with the grpc port (h2c) only: {svc and svc['spec']}")
+    check(svc and selects(svc["spec"]["selector"], dep["spec"]["template"]["metadata"]["labels"]),
+          f"{tag} the picker's Service selects the gateway pods")
+    check(not by_kind(objs, "Ingress"), f"{tag} mode: epp: no Ingress (the Gateway is the way in)")
+
+    # The InferencePool: the engine pods, at their sidecar's port; the picker's Service and port.
+    pools = by_kind(objs, "InferencePool")
+    if check(len(pools) == 1 and pools[0]["metadata"]["name"] == pool_name,
+             f"{tag} mode: epp renders one InferencePool {pool_name}: {[p['metadata']['name'] for p in pools]}"):
+        spec = pools[0]["spec"]
+        sts = by_kind(objs, "StatefulSet")[0]
+        sel = spec.get("selector", {}).get("matchLabels", {})
+        check(sel == sts["spec"]["selector"]["matchLabels"] and selects(sel, sts["spec"]["template"]["metadata"]["labels"]),
+              f"{tag} the pool's selector is the engine StatefulSet's and selects its pods: {sel}")
+        for o in by_kind(objs, "Deployment") + [s for s in by_kind(objs, "StatefulSet") if s is not sts]:
+            check(not selects(sel, o["spec"]["template"]["metadata"]["labels"]),
+                  f"{tag} the pool's selector does not select {o['kind']}/{o['metadata']['name']}'s pods")
+        engine_ports = {p["containerPort"]: (c["name"], p.get("name"))
+                        for c in sts["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+        tp = spec.get("targetPorts", [])
+        check(len(tp) == 1 and engine_ports.get(tp[0].get("number")) == ("shim", "shim")
+              and tp[0]["number"] == v["engine"]["shim"]["port"],
+              f"{tag} the pool's targetPort is the engine pods' sidecar port (named shim, as edge discovery's "
+              f"port_name): {tp} vs {engine_ports}")
+        ref = spec.get("endpointPickerRef", {})
+        svc_grpc = next((p["port"] for p in svc_ports if p["name"] == "grpc"), None)
+        check(ref.get("group", "") == "" and ref.get("kind", "Service") == "Service" and ref.get("name") == gw_name
+              and ref.get("port") == {"number": svc_grpc} and svc_grpc == e["port"],
+              f"{tag} endpointPickerRef is the picker's Service {gw_name} at its grpc port {svc_grpc}: {ref}")
+        check(ref.get("failureMode") == e["failureMode"], f"{tag} failureMode is epp.failureMode: {ref}")
+
+    # RBAC: the pool and the Pods it selects, nothing more.
+    role, rb = by_kind(objs, "Role"), by_kind(objs, "RoleBinding")
+    rules = role[0]["rules"] if role else []
+
+    def allows(group, resource):
+        return any(group in r["apiGroups"] and resource in r["resources"] and {"get", "list", "watch"} <= set(r["verbs"])
+                   for r in rules)
+    check(allows("", "pods") and allows("inference.networking.k8s.io", "inferencepools"),
+          f"{tag} the Role reads (get/list/watch) pods and inferencepools: {rules}")
+    check(not allows("discovery.k8s.io", "endpointslices"), f"{tag} mode: epp: the Role reads no EndpointSlices: {rules}")
+    check(rb and rb[0]["roleRef"]["name"] == (role and role[0]["metadata"]["name"])
+          and rb[0]["subjects"][0]["name"] == pod["serviceAccountName"],
+          f"{tag} the Role is bound to the gateway pods' service account")
+
+    # The HTTPRoute: a Gateway's traffic to the pool.
+    routes = by_kind(objs, "HTTPRoute")
+    hr = e["httpRoute"]
+    if hr["enabled"]:
+        if check(len(routes) == 1 and routes[0]["metadata"]["name"] == pool_name, f"{tag} an HTTPRoute {pool_name}"):
+            r = routes[0]["spec"]
+            rule = r["rules"][0] if len(r["rules"]) == 1 else {}
+            check(r["parentRefs"] == hr["parentRefs"], f"{tag} the HTTPRoute attaches to epp.httpRoute.parentRefs: {r}")
+            check(rule.get("backendRefs") == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                               "name": pool_name}]
+                  and rule.get("matches") == [{"path": {"type": "PathPrefix", "value": "/"}}],
+                  f"{tag} the HTTPRoute sends every path to the InferencePool: {rule}")
+            check(rule.get("timeouts") == ({"request": hr["requestTimeout"]} if hr["requestTimeout"] else None),
+                  f"{tag} the route's request timeout is epp.httpRoute.requestTimeout: {rule.get('timeouts')}")
+    else:
+        check(not routes, f"{tag} no HTTPRoute unless epp.httpRoute.enabled")
+
+    # NetworkPolicies: the Gateway's proxies reach the picker's gRPC port and the sidecars.
+    if v["networkPolicy"]["enabled"]:
+        pols = {o["metadata"]["name"]: o["spec"]["ingress"] for o in by_kind(objs, "NetworkPolicy")}
+        peers, shim = v["networkPolicy"]["gatewayProxies"], v["engine"]["shim"]["port"]
+        check(any(r.get("from", []) == peers and r["ports"] == [{"port": shim, "protocol": "TCP"}]
+                  for r in pols.get("sy-switchyard-engine", [])),
+              f"{tag} the engines admit networkPolicy.gatewayProxies on the sidecar port: {pols.get('sy-switchyard-engine')}")
+        gw_rules = pols.get(gw_name, [])
+        check(any(r.get("from", []) == peers and r["ports"] == [{"port": e["port"], "protocol": "TCP"}] for r in gw_rules)
+              and not any(p["port"] == v["gateway"]["port"] for r in gw_rules for p in r["ports"]),
+              f"{tag} the gateway admits networkPolicy.gatewayProxies on the gRPC port, no API port: {gw_rules}")
+
+    # NOTES.txt: through the Gateway, not a port-forward to an API port that is not there.
+    notes = release.get("info", {}).get("notes") or ""
+    check(f"InferencePool {pool_name}" in notes and "127.0.0.1:8080" not in notes
+          and f"{gw_name}:{e['port']}" in notes, f"{tag} NOTES.txt explains mode: epp: {notes!r}")
+    if hr["enabled"]:
+        check(f"get gateway {hr['parentRefs'][0]['name']}" in notes, f"{tag} NOTES.txt asks the route's Gateway for its address")
+    else:
+        check(f"kind: InferencePool, name: {pool_name}" in notes, f"{tag} NOTES.txt shows the backendRef to route to")
+
+
 async def main():
     if len(sys.argv) != 2 or not os.access(sys.argv[1], os.X_OK):
         sys.exit("usage: test_chart.py PATH/TO/switchyard-gateway")
@@ -536,7 +781,22 @@ async def main():
                        ({"engine": {"kind": "vllm", "gpus": 2, "vllm": {"tensorParallelSize": 4}}}, "engine.gpus"),
                        # Prometheus would get 401 without the token.
                        ({"gateway": {"admin": {"tokenSha256": "ab" * 32}}, "serviceMonitor": {"enabled": True}},
-                        "bearerTokenSecret")]:
+                        "bearerTokenSecret"),
+                       # mode and the InferencePool's failureMode are enums; the chart owns epp: in the config.
+                       ({"mode": "foo"}, "mode"), ({"mode": "epp", "epp": {"failureMode": "Sometimes"}}, "failureMode"),
+                       ({"mode": "epp", "epp": {"destinationHeader": "X-Picked"}}, "destinationHeader"),
+                       ({"mode": "epp", "epp": {"fallbacks": 17}}, "fallbacks"),
+                       ({"mode": "epp", "epp": {"httpRoute": {"enabled": True}}}, "parentRefs"),
+                       ({"mode": "epp", "epp": {"httpRoute": {"requestTimeout": "5 minutes"}}}, "requestTimeout"),
+                       ({"gateway": {"config": {"epp": {"listen": "0.0.0.0:9002"}}}}, "config"),
+                       # mode: epp has no API listener for TLS, an Ingress or the edge's HTTPRoute;
+                       # the pool's HTTPRoute needs the pool.
+                       ({"mode": "epp", "gateway": {"tls": {"enabled": True, "secretName": "edge-tls"}}}, "gateway.tls"),
+                       ({"mode": "epp", "gateway": {"ingress": {"enabled": True}}}, "epp.httpRoute"),
+                       ({"mode": "epp", "gateway": {"httpRoute": {"enabled": True, "parentRefs": [{"name": "g"}]}}},
+                        "epp.httpRoute"),
+                       ({"epp": {"httpRoute": {"enabled": True, "parentRefs": [{"name": "g"}]}}}, "mode: epp"),
+                       ({"mode": "epp", "epp": {"port": 9090}}, "gateway.adminPort")]:
         try:
             await install(bad)
             failures.append(f"values {bad} were accepted")
@@ -547,6 +807,30 @@ async def main():
               "spec": {"scaleTargetRef": {"name": "x"}, "triggers": [{"type": "prometheus", "metadata": {"threshold": 1}}]}}
     r = validate_crds([broken])
     check(r.returncode == 1 and "threshold" in r.stdout, f"the CRD check rejects a bad ScaledObject: {r.stdout}{r.stderr}")
+    # So can the InferencePool's: each of these breaks one rule of the GA v1 CRD.
+    pool = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "pool"},
+            "spec": {"selector": {"matchLabels": {"app": "engine"}}, "targetPorts": [{"number": 8001}],
+                     "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}}
+    check(not inference_pool_errors(pool), f"a minimal InferencePool is valid: {inference_pool_errors(pool)}")
+    for spec, field in [({"targetPorts": []}, "targetPorts"), ({"targetPorts": [{"number": 1}, {"number": 2}]}, "targetPorts"),
+                        ({"targetPorts": [{"number": 0}]}, "number"), ({"targetPorts": [{"number": "8001"}]}, "number"),
+                        ({"targetPorts": [{"number": 8001, "name": "shim"}]}, "name"),
+                        ({"selector": {"matchLabels": {}}}, "matchLabels"),
+                        ({"selector": {"matchLabels": {"app": 1}}}, "matchLabels.app"),
+                        ({"selector": {"matchLabels": {"app": "engine"}, "matchExpressions": []}}, "matchExpressions"),
+                        ({"endpointPickerRef": {"name": "epp", "port": {"number": 9002}, "failureMode": "Sometimes"}},
+                         "failureMode"),
+                        ({"endpointPickerRef": {"name": "epp"}}, "port"),
+                        ({"endpointPickerRef": {"port": {"number": 9002}}}, "name"),
+                        ({"endpointPickerRef": {"name": "epp", "portNumber": 9002}}, "portNumber"),
+                        ({"extensionRef": {"name": "epp"}}, "extensionRef")]:
+        bad = json.loads(json.dumps(pool))
+        bad["spec"].update(spec)
+        errs = inference_pool_errors(bad)
+        check(any(field in e for e in errs), f"the InferencePool check rejects spec {spec} naming `{field}`: {errs}")
+    no_ref = json.loads(json.dumps(pool))
+    del no_ref["spec"]["endpointPickerRef"]
+    check(any("endpointPickerRef" in e for e in inference_pool_errors(no_ref)), "the InferencePool check wants endpointPickerRef")
     # No image registry: a clear refusal, not an ImagePullBackOff.
     try:
         await install({}, registry=False)
@@ -555,20 +839,27 @@ async def main():
         check("image.registry" in str(e) and "build-images" in str(e), f"no registry: the error says what to do: {e}")
     # A 53-character release name (Helm's limit) gives valid names everywhere.
     long_name = "a-release-name-of-fifty-three-characters-for-testing"[:53].ljust(53, "x")
-    try:
-        _, objs = await install(merged(SCENARIOS["everything-on"], {"keda": {"enabled": True}}), name=long_name)
-        for o in objs:
-            n = o["metadata"]["name"]
-            check(len(n) <= 63, f"[long name] {o['kind']}/{n} is {len(n)} characters")
-            if o["kind"] == "StatefulSet":
-                check(len(n) <= 52, f"[long name] StatefulSet {n} leaves no room for its pods' revision label")
-            if o["kind"] not in CUSTOM_KINDS:
-                try:
-                    kubernetes_validate.validate(o, K8S_VERSION, strict=True)
-                except Exception as e:
-                    failures.append(f"[long name] {o['kind']}/{n}: {e}")
-    except Exception as e:
-        failures.append(f"[long name] helm install failed: {e}")
+    for mode, values in [("edge", merged(SCENARIOS["everything-on"], {"keda": {"enabled": True}})),
+                         ("epp", merged(SCENARIOS["epp-everything-on"], {"epp": {"httpRoute": {
+                             "enabled": True, "parentRefs": [{"name": "inference-gateway"}]}}}))]:
+        try:
+            _, objs = await install(values, name=long_name)
+            for o in objs:
+                n = o["metadata"]["name"]
+                check(len(n) <= 63, f"[long name, {mode}] {o['kind']}/{n} is {len(n)} characters")
+                if o["kind"] == "StatefulSet":
+                    check(len(n) <= 52, f"[long name, {mode}] StatefulSet {n} leaves no room for its pods' revision label")
+                if o["kind"] == "InferencePool":
+                    errs = inference_pool_errors(o)
+                    check(not errs, f"[long name, {mode}] InferencePool/{n}: {errs}")
+                elif o["kind"] not in CUSTOM_KINDS:
+                    try:
+                        kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+                    except Exception as e:
+                        failures.append(f"[long name, {mode}] {o['kind']}/{n}: {e}")
+            check(mode == "edge" or by_kind(objs, "InferencePool"), f"[long name, {mode}] an InferencePool")
+        except Exception as e:
+            failures.append(f"[long name, {mode}] helm install failed: {e}")
     for name, values in SCENARIOS.items():
         try:
             release, objs = await install(values)

@@ -17,6 +17,8 @@ use std::path::Path;
 #[derive(Debug, Clone)]
 pub struct GatewayConfigBuilder {
     listen: Option<SocketAddr>,
+    /// `listen: null` (an Endpoint Picker without the HTTP API).
+    no_api: bool,
     admin_listen: Option<SocketAddr>,
     threads: u32,
     discovery: Discovery,
@@ -146,6 +148,7 @@ impl GatewayConfigBuilder {
     pub fn new() -> GatewayConfigBuilder {
         GatewayConfigBuilder {
             listen: None,
+            no_api: false,
             admin_listen: None,
             threads: 2,
             discovery: Discovery::None,
@@ -165,6 +168,13 @@ impl GatewayConfigBuilder {
             sections: Vec::new(),
             kv_event_endpoints: Vec::new(),
         }
+    }
+
+    /// No HTTP API listener (`listen: null`): the gateway serves only as an Endpoint Picker
+    /// (set `epp`) and its admin listener.
+    pub fn without_api_listener(mut self) -> GatewayConfigBuilder {
+        self.no_api = true;
+        self
     }
 
     /// Fixed API and admin listeners (default: port 0, see the module docs).
@@ -325,9 +335,10 @@ impl GatewayConfigBuilder {
     /// The YAML file.
     pub fn render(&self) -> String {
         let addr = |a: Option<SocketAddr>, any: &str| a.map_or_else(|| any.to_string(), |a| a.to_string());
+        let listen = if self.no_api { "null".to_string() } else { addr(self.listen, LISTEN_ANY_PORT) };
         let mut y = format!(
             "listen: {}\nadmin_listen: {}\nthreads: {}\n",
-            addr(self.listen, LISTEN_ANY_PORT),
+            listen,
             addr(self.admin_listen, ADMIN_LISTEN_ANY_PORT),
             self.threads
         );
@@ -426,6 +437,21 @@ impl GatewayConfigBuilder {
     }
 }
 
+/// The hex SHA-256 of an API key, as `auth.keys[].key_sha256` wants it (`sha256sum`).
+pub fn sha256(key: &str) -> String {
+    let out = std::process::Command::new("sha256sum")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(key.as_bytes())?;
+            c.wait_with_output()
+        })
+        .expect("sha256sum");
+    String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -471,3 +497,4 @@ mod tests {
         let _ = GatewayConfigBuilder::new().section("limits", "{}").section("limits", "{}");
     }
 }
+

@@ -13,5 +13,5 @@ pub mod procs;
 
 pub use client::*;
 pub use fault::{Fault, FaultEngine};
-pub use gateway_config::{ApiKey, GatewayConfigBuilder};
+pub use gateway_config::{sha256, ApiKey, GatewayConfigBuilder};
 pub use procs::*;

@@ -117,7 +117,7 @@ impl Drop for EngineProc {
 /// A `switchyard-gateway` process with its config file.
 pub struct GatewayProc {
     child: Child,
-    /// API listener.
+    /// API listener (`127.0.0.1:0`, where nothing listens, when the config has `listen: null`).
     pub addr: SocketAddr,
     /// Admin listener.
     pub admin: SocketAddr,
@@ -172,8 +172,9 @@ impl GatewayProc {
                 {
                     api = a.parse::<SocketAddr>().ok();
                 }
-                if let (Some(api), Some(admin)) = (api, admin) {
-                    let _ = tx.send((api, admin, epp));
+                // The admin line comes last.
+                if let Some(admin) = admin.take() {
+                    let _ = tx.send((api.unwrap_or(SocketAddr::from(([127, 0, 0, 1], 0))), admin, epp));
                 }
             }
         });

@@ -13,20 +13,6 @@ const KEY_A: &str = "sk-team-a-0123456789";
 const KEY_B: &str = "sk-team-b-9876543210";
 const KEY_C: &str = "sk-team-c-tokens";
 
-fn sha256(key: &str) -> String {
-    let out = std::process::Command::new("sha256sum")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut c| {
-            use std::io::Write;
-            c.stdin.take().unwrap().write_all(key.as_bytes())?;
-            c.wait_with_output()
-        })
-        .expect("sha256sum");
-    String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_string()
-}
-
 /// A gateway config over one engine with `least_load`.
 fn config(engine: &str) -> GatewayConfigBuilder {
     GatewayConfigBuilder::new().backends([engine]).policy("least_load")

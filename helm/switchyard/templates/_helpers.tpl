@@ -35,6 +35,22 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "switchyard.gateway" -}}{{ include "switchyard.fullname" . }}-gateway{{- end -}}
 {{- define "switchyard.engine" -}}{{ include "switchyard.fullname" . }}-engine{{- end -}}
 {{- define "switchyard.redis" -}}{{ include "switchyard.fullname" . }}-redis{{- end -}}
+{{- /* mode: epp: the InferencePool the gateway (its Deployment and Service, as the EPP) picks for. */ -}}
+{{- define "switchyard.inferencePool" -}}{{ include "switchyard.fullname" . }}{{- end -}}
+
+{{- /* The engine pods' labels: their StatefulSet's selector, the engine Service's, the InferencePool's. */ -}}
+{{- define "switchyard.engineSelector" -}}
+{{ include "switchyard.selector" . }}
+app.kubernetes.io/component: engine
+{{- end -}}
+
+{{- /*
+The port requests go to on an engine pod: the sidecar's (named shim), never the engine's own,
+which listens on loopback only. The kubernetes discovery's port_name and the InferencePool's
+targetPorts both name it.
+*/ -}}
+{{- define "switchyard.enginePortName" -}}shim{{- end -}}
+{{- define "switchyard.enginePort" -}}{{ .Values.engine.shim.port }}{{- end -}}
 
 {{- define "switchyard.image" -}}
 {{- $root := index . 0 -}}{{- $name := index . 1 -}}
@@ -54,6 +70,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 The gateway's config file. Engines are found through the EndpointSlices of the engines'
 Service (the gateway's Role allows get/list/watch): ready pods take requests, terminating
 ones finish what they serve and get nothing new; the sidecars' /load carries their load.
+mode: epp: no API listener; the gateway serves the Endpoint Picker's gRPC (epp.listen) and
+finds the engines through the InferencePool (its selector over Pods, at its targetPorts).
 */}}
 {{- define "switchyard.gatewayConfig" -}}
 {{- $gw := .Values.gateway -}}
@@ -61,7 +79,28 @@ ones finish what they serve and get nothing new; the sidecars' /load carries the
 {{- if hasKey (default dict $cfg.timeouts) "request_body_ms" -}}
 {{- fail "gateway.config.timeouts.request_body_ms was removed from the gateway: set gateway.config.limits.body_read_timeout_ms instead" -}}
 {{- end -}}
+{{- $epp := eq .Values.mode "epp" -}}
+{{- if $epp -}}
+{{- /* The client-facing proxy is the user's Gateway: nothing of the edge's own ways in applies. */ -}}
+{{- if $gw.tls.enabled -}}
+{{- fail "mode: epp serves no API listener (gateway.tls is TLS on it): clients reach the engines through your Gateway, which terminates TLS; set gateway.tls.enabled=false" -}}
+{{- end -}}
+{{- if or $gw.ingress.enabled $gw.httpRoute.enabled -}}
+{{- fail "mode: epp serves no API listener for gateway.ingress or gateway.httpRoute to send to: route your Gateway to the InferencePool instead (epp.httpRoute)" -}}
+{{- end -}}
+{{- else if .Values.epp.httpRoute.enabled -}}
+{{- fail "epp.httpRoute routes a Gateway to the InferencePool, which only mode: epp renders (mode: edge: gateway.httpRoute)" -}}
+{{- end -}}
+{{- if $epp -}}
+{{- /* No OpenAI listener: the gateway is the Endpoint Picker (ext_proc over gRPC) instead. */ -}}
+{{- if eq (int .Values.epp.port) (int $gw.adminPort) -}}
+{{- fail "epp.port must differ from gateway.adminPort (the picker's gRPC and the admin port are two listeners)" -}}
+{{- end -}}
+{{- $_ := set $cfg "listen" nil -}}
+{{- $_ := set $cfg "epp" (dict "listen" (printf "0.0.0.0:%d" (int .Values.epp.port)) "destination_header" .Values.epp.destinationHeader "fallbacks" (int .Values.epp.fallbacks)) -}}
+{{- else -}}
 {{- $_ := set $cfg "listen" (printf "0.0.0.0:%d" (int $gw.port)) -}}
+{{- end -}}
 {{- $_ := set $cfg "admin_listen" (printf "0.0.0.0:%d" (int $gw.adminPort)) -}}
 {{- with $gw.admin.tokenSha256 -}}
 {{- if and $.Values.serviceMonitor.enabled (not $.Values.serviceMonitor.bearerTokenSecret) -}}
@@ -73,8 +112,13 @@ ones finish what they serve and get nothing new; the sidecars' /load carries the
 {{- /* Engines scale from zero: a gateway that left its Service for want of an engine could never receive the request that wakes them. */ -}}
 {{- $_ := set $cfg "readiness" (dict "require_backend" false) -}}
 {{- end -}}
-{{- $k8s := dict "namespace" .Release.Namespace "service" (include "switchyard.engine" .) "port_name" "shim" -}}
+{{- if $epp -}}
+{{- /* The pool's selector and targetPorts over the Pods of this namespace (the Role reads both). */ -}}
+{{- $_ := set $cfg "discovery" (dict "inference_pool" (dict "name" (include "switchyard.inferencePool" .) "namespace" .Release.Namespace)) -}}
+{{- else -}}
+{{- $k8s := dict "namespace" .Release.Namespace "service" (include "switchyard.engine" .) "port_name" (include "switchyard.enginePortName" .) -}}
 {{- $_ := set $cfg "discovery" (dict "kubernetes" $k8s) -}}
+{{- end -}}
 {{- if $gw.tls.enabled -}}
 {{- $_ := required "gateway.tls.secretName: the kubernetes.io/tls Secret to serve is needed when gateway.tls.enabled" $gw.tls.secretName -}}
 {{- $tls := dict "cert_file" (printf "%s/tls.crt" (include "switchyard.tlsDir" .)) "key_file" (printf "%s/tls.key" (include "switchyard.tlsDir" .)) -}}
