@@ -497,4 +497,3 @@ mod tests {
         let _ = GatewayConfigBuilder::new().section("limits", "{}").section("limits", "{}");
     }
 }
-

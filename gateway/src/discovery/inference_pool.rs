@@ -217,17 +217,8 @@ async fn next_pod_event(pods: &mut Option<PodEvents>) -> Option<Result<Event<Pod
 #[async_trait]
 impl BackgroundService for PoolDiscovery {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let client = loop {
-            match kube_client(self.cfg.api_server.as_deref()).await {
-                Ok(c) => break c,
-                Err(e) => {
-                    tracing::error!(error = %e, "inference pool discovery cannot start; retrying in 5 s");
-                    tokio::select! {
-                        _ = shutdown.changed() => return,
-                        _ = tokio::time::sleep(Duration::from_secs(5)) => {}
-                    }
-                }
-            }
+        let Some(client) = kube_client(self.cfg.api_server.as_deref(), "inference_pool", &mut shutdown).await else {
+            return;
         };
         let resource = ApiResource::from_gvk(&GroupVersionKind::gvk(GROUP, VERSION, KIND));
         let pools: kube::Api<DynamicObject> =

@@ -66,13 +66,32 @@ pub fn ready_urls<'a>(
     urls
 }
 
-/// A client for `api_server` (default: the in-cluster service account, else the kubeconfig).
-pub(super) async fn kube_client(api_server: Option<&str>) -> Result<kube::Client, String> {
-    let config = match api_server {
-        Some(url) => kube::Config::new(url.parse().map_err(|e| format!("api_server {url}: {e}"))?),
-        None => kube::Config::infer().await.map_err(|e| format!("no Kubernetes configuration: {e}"))?,
+/// A client for `api_server` (default: the in-cluster service account, else the kubeconfig),
+/// tried every 5 s until one can be made; `None` when the gateway shuts down first.
+pub(super) async fn kube_client(
+    api_server: Option<&str>,
+    source: &str,
+    shutdown: &mut ShutdownWatch,
+) -> Option<kube::Client> {
+    let make = async || {
+        let config = match api_server {
+            Some(url) => kube::Config::new(url.parse().map_err(|e| format!("api_server {url}: {e}"))?),
+            None => kube::Config::infer().await.map_err(|e| format!("no Kubernetes configuration: {e}"))?,
+        };
+        kube::Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))
     };
-    kube::Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))
+    loop {
+        match make().await {
+            Ok(c) => return Some(c),
+            Err(e) => {
+                tracing::error!(error = %e, source, "discovery cannot start; retrying in 5 s");
+                tokio::select! {
+                    _ = shutdown.changed() => return None,
+                    _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+                }
+            }
+        }
+    }
 }
 
 /// The EndpointSlice watcher service.
@@ -96,17 +115,8 @@ impl K8sDiscovery {
 #[async_trait]
 impl BackgroundService for K8sDiscovery {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let client = loop {
-            match kube_client(self.cfg.api_server.as_deref()).await {
-                Ok(c) => break c,
-                Err(e) => {
-                    tracing::error!(error = %e, "kubernetes discovery cannot start; retrying in 5 s");
-                    tokio::select! {
-                        _ = shutdown.changed() => return,
-                        _ = tokio::time::sleep(Duration::from_secs(5)) => {}
-                    }
-                }
-            }
+        let Some(client) = kube_client(self.cfg.api_server.as_deref(), "kubernetes", &mut shutdown).await else {
+            return;
         };
         let api: kube::Api<EndpointSlice> = kube::Api::namespaced(client, &self.cfg.namespace);
         let wc = watcher::Config::default().labels(&self.cfg.selector());
