@@ -73,3 +73,15 @@ if ! { [ -x "$ENVOY" ] && [ "$(cat "$ENVOY_DIR/.version" 2>/dev/null)" = "$ENVOY
   chmod +x "$ENVOY"
   echo "$ENVOY_VERSION" > "$ENVOY_DIR/.version"
 fi
+
+# The official OpenAI Python SDK, the client of the OpenAI-routes test (tests/tests/openai_routes.rs
+# runs tests/openai_sdk.py with it), in its own virtualenv under .cache.
+OPENAI_SDK="openai==3.63.0"
+OPENAI_VENV="$PWD/.cache/openai-venv"
+if [ "$(cat "$OPENAI_VENV/.ready" 2>/dev/null)" != "$OPENAI_SDK" ]; then
+  echo "setup: installing $OPENAI_SDK into .cache/openai-venv (pip)"
+  rm -rf "$OPENAI_VENV"
+  python3 -m venv "$OPENAI_VENV"
+  "$OPENAI_VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$OPENAI_SDK"
+  echo "$OPENAI_SDK" > "$OPENAI_VENV/.ready"
+fi

@@ -69,6 +69,7 @@
 
 pub mod error;
 pub mod expose;
+pub mod lora;
 mod normalize;
 pub mod openai_error;
 #[cfg(feature = "process")]
@@ -83,6 +84,7 @@ mod tests;
 use std::fmt;
 
 pub use error::ShimError;
+pub use lora::{parse_lora_info, LoraInfo};
 
 /// Which engine family produced the metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

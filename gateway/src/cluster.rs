@@ -38,6 +38,11 @@ pub struct Scraped {
     pub signal: Option<(LoadSignal, Instant)>,
     /// Models from `/v1/models` (or the configured override).
     pub models: Vec<String>,
+    /// `/v1/models`' objects as the engine reported them (`owned_by`, `created`,
+    /// `max_model_len`, an adapter's `root` and `parent`, …); empty for configured models.
+    pub cards: Arc<Vec<serde_json::Value>>,
+    /// The LoRA adapters it has loaded (vLLM's `vllm:lora_requests_info`), when reported.
+    pub lora: Option<Arc<switchyard_shim::LoraInfo>>,
     /// Consecutive failed scrapes.
     pub consecutive_failures: u32,
     /// Last scrape error.
@@ -296,7 +301,46 @@ impl ClusterView {
                 matched_tokens: 0,
             });
         }
+        self.prefer_adapter_holders(&mut out, model);
         (out, known)
+    }
+
+    /// LoRA affinity: for an adapter, only the candidates that have it loaded (running or
+    /// waiting, by vLLM's `vllm:lora_requests_info`) when any has; else, when the model is
+    /// an adapter (a `parent` in its `/v1/models` object), those with a free adapter slot
+    /// when any has. The policy then decides among them by load. Engines that report no
+    /// adapters change nothing.
+    fn prefer_adapter_holders(&self, out: &mut Vec<Candidate>, model: &str) {
+        let lora: Vec<Option<Arc<switchyard_shim::LoraInfo>>> =
+            out.iter().map(|c| self.backends[c.index].scraped.load().lora.clone()).collect();
+        if lora.iter().all(Option::is_none) {
+            return;
+        }
+        let keep = |want: &dyn Fn(&switchyard_shim::LoraInfo) -> bool, out: &mut Vec<Candidate>| {
+            let chosen: Vec<bool> = lora.iter().map(|l| l.as_deref().is_some_and(want)).collect();
+            if chosen.iter().any(|&c| c) {
+                let mut i = 0;
+                out.retain(|_| {
+                    i += 1;
+                    chosen[i - 1]
+                });
+                return true;
+            }
+            false
+        };
+        if keep(&|l| l.holds(model), out) {
+            return;
+        }
+        let adapter = self.backends.iter().any(|b| {
+            b.scraped
+                .load()
+                .cards
+                .iter()
+                .any(|c| c["id"] == model && c["parent"].as_str().is_some_and(|p| !p.is_empty()))
+        });
+        if adapter {
+            keep(&|l| l.has_free_slot(), out);
+        }
     }
 
     /// Every model served by an up backend, sorted and deduplicated.
@@ -305,6 +349,27 @@ impl ClusterView {
         all.sort();
         all.dedup();
         all
+    }
+
+    /// The model objects of `GET /v1/models`: one per model any backend serves (the first
+    /// backend's object where several report one), sorted by id; a configured model that no
+    /// engine described gets a minimal object.
+    pub fn model_cards(&self) -> Vec<serde_json::Value> {
+        let mut cards: std::collections::BTreeMap<String, serde_json::Value> = std::collections::BTreeMap::new();
+        for b in &self.backends {
+            let scraped = b.scraped.load();
+            for card in scraped.cards.iter() {
+                if let Some(id) = card["id"].as_str().filter(|id| scraped.models.iter().any(|m| m == id)) {
+                    cards.entry(id.to_string()).or_insert_with(|| card.clone());
+                }
+            }
+            for id in &scraped.models {
+                cards.entry(id.clone()).or_insert_with(
+                    || serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "switchyard"}),
+                );
+            }
+        }
+        cards.into_values().collect()
     }
 
     /// Record a failed request to backend `index`; ejects it when the streak reaches the

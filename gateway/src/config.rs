@@ -138,6 +138,8 @@ pub struct GatewayConfig {
     /// Serve as a Gateway API Inference Extension Endpoint Picker (Envoy ext_proc) beside
     /// or instead of `listen`; read at start.
     pub epp: Option<EppConfig>,
+    /// Model aliases and weighted splits (see [`crate::aliases`]).
+    pub models: std::collections::BTreeMap<String, crate::aliases::ModelAlias>,
 }
 
 /// Default `epp.destination_header` (GIE's endpoint picker protocol).
@@ -277,6 +279,7 @@ impl Default for GatewayConfig {
             readiness: ReadinessConfig::default(),
             kv_events: None,
             epp: None,
+            models: std::collections::BTreeMap::new(),
         }
     }
 }
@@ -1084,6 +1087,7 @@ impl GatewayConfig {
         self.retries.validate(&mut errs);
         self.health.validate(&mut errs);
         self.auth.validate(&mut errs);
+        crate::aliases::validate(&self.models, &mut errs);
         errs.into_result()
     }
 

@@ -6,7 +6,9 @@
 //!
 //! Input layout: the bytes up to the first `\0` are a request head (as pingora hands it
 //! over), the rest is the body. Invariants checked besides "no panic": a plan only comes
-//! from a JSON object, the canonical prompt's streaming visitor renders what a document tree
+//! from a JSON object or a multipart form (`Content-Type: multipart/form-data; boundary=…`
+//! in the head), an alias's rewritten body names its target where the client named the
+//! alias, the canonical prompt's streaming visitor renders what a document tree
 //! of the same body renders, the block hashes of the canonical prompt cover it, the prefix
 //! index answers for what was inserted, and every policy's pick is a candidate.
 
@@ -23,7 +25,8 @@ use crate::state::Active;
 /// The config the fuzz target plans under: one backend serving `m`, the default `cost`
 /// policy, a priority header, small prefix blocks.
 const CONFIG: &str = "discovery:\n  static:\n    - url: http://127.0.0.1:9\n      models: [m]\n\
-admission:\n  priority_header: x-priority\nprefix_index:\n  block_bytes: 16\n";
+admission:\n  priority_header: x-priority\nprefix_index:\n  block_bytes: 16\n\
+models:\n  a:\n    targets: [ { model: m, weight: 1 } ]\n";
 
 /// The head's lines as a pingora request header (lines that are not `name: value`, or
 /// that pingora refuses, are left out, as its parser would refuse them).
@@ -80,8 +83,23 @@ pub fn request_path(data: &[u8]) {
     let plan = plan_request(&req, body, &active, tenant.as_deref(), None);
     let is_object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
         && serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| v.is_object());
-    assert!(plan.is_err() || is_object, "a plan only comes from a JSON object");
+    let content_type = req.headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
+    let boundary = crate::request::form_data_boundary(content_type).and_then(Result::ok);
+    assert!(plan.is_err() || is_object || boundary.is_some(), "a plan only comes from a JSON object or a form");
     let Ok(plan) = plan else { return };
+    // An alias's target replaces the model value and nothing else the planner reads.
+    if plan.alias.is_some() {
+        let rewritten = plan.engine_body(bytes::Bytes::copy_from_slice(body));
+        let named = match boundary {
+            Some(b) => crate::request::form_routing_fields(&rewritten, b).map(|f| f.model),
+            None => crate::request::routing_fields(&rewritten, &active.config.limits.prompt_limits()).map(|f| f.model),
+        };
+        assert_eq!(named.ok().flatten().as_deref(), Some(plan.model.as_str()), "the rewritten body names the target");
+    }
+    if boundary.is_some() {
+        assert!(plan.hashes.is_empty(), "a form has no prompt to hash");
+        return;
+    }
 
     let cfg = &active.config.prefix_index;
     let text = canonical_prompt(body);

@@ -10,6 +10,7 @@
 //!   the API listener's connections (how many, how long before they speak);
 //! - [`config`] (file, validation) → [`state`] (what is in force, swapped atomically) →
 //!   [`cluster`] (backends, health) → [`policy`] (pure routing decisions);
+//! - [`aliases`] (model aliases and weighted splits, pure);
 //! - [`proxy`] is the request path, as named phases over one per-request context; [`epp`]
 //!   runs the same phases for another gateway (Envoy's ext_proc), which makes the exchange;
 //! - background services: [`scrape`] (engine load), [`discovery`] (static, DNS,
@@ -25,6 +26,7 @@
 pub(crate) mod access_log;
 pub(crate) mod admin;
 pub(crate) mod admission;
+pub mod aliases;
 pub(crate) mod auth;
 pub(crate) mod body_budget;
 pub(crate) mod cluster;

@@ -60,6 +60,8 @@ pub struct GatewayMetrics {
     pub epp_protocol_errors: IntCounter,
     /// ext_proc streams open now.
     pub epp_streams: IntGauge,
+    /// Requests for a model alias, by alias and the target chosen.
+    pub alias_requests: IntCounterVec,
     /// Request body bytes buffered now, process-wide (`limits.max_buffered_body_bytes`).
     pub buffered_body_bytes: IntGauge,
     /// KV-event batches applied, by backend.
@@ -77,6 +79,13 @@ pub struct GatewayMetrics {
 }
 
 impl GatewayMetrics {
+    /// Count a request routed through an alias (`alias`, `target`).
+    pub fn count_alias(&self, alias: Option<&str>, target: &str) {
+        if let Some(alias) = alias {
+            self.alias_requests.with_label_values(&[alias, target]).inc();
+        }
+    }
+
     /// Create and register every series in `registry`.
     pub fn new(registry: Registry) -> prometheus::Result<Self> {
         let m = GatewayMetrics {
@@ -154,6 +163,10 @@ impl GatewayMetrics {
                 "ext_proc streams the Endpoint Picker ended for a message out of protocol order",
             )?,
             epp_streams: IntGauge::new("switchyard_epp_streams", "ext_proc streams the Endpoint Picker has open.")?,
+            alias_requests: IntCounterVec::new(
+                Opts::new("switchyard_alias_requests_total", "Requests for a model alias, by the target chosen."),
+                &["alias", "target"],
+            )?,
             kv_event_batches: IntCounterVec::new(
                 Opts::new("switchyard_kv_events_batches_total", "Engine KV-event batches applied to the index."),
                 &["backend"],
@@ -211,6 +224,7 @@ impl GatewayMetrics {
         m.registry.register(Box::new(m.idle_connections_closed.clone()))?;
         m.registry.register(Box::new(m.epp_protocol_errors.clone()))?;
         m.registry.register(Box::new(m.epp_streams.clone()))?;
+        m.registry.register(Box::new(m.alias_requests.clone()))?;
         m.registry.register(Box::new(m.buffered_body_bytes.clone()))?;
         m.registry.register(Box::new(m.kv_event_batches.clone()))?;
         m.registry.register(Box::new(m.kv_event_gaps.clone()))?;

@@ -86,16 +86,16 @@ impl Scraper {
         String::from_utf8(body.to_vec()).map_err(|_| format!("GET {path}: body is not UTF-8"))
     }
 
-    async fn models(&self, b: &Backend, addr: SocketAddr) -> Result<Vec<String>, String> {
+    /// The model ids of `/v1/models`, and its objects (those with a string `id`).
+    async fn models(&self, b: &Backend, addr: SocketAddr) -> Result<(Vec<String>, Vec<serde_json::Value>), String> {
         let text = self.get(b, addr, "/v1/models").await?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("/v1/models: {e}"))?;
-        let ids = v["data"]
-            .as_array()
-            .ok_or("/v1/models: no data array")?
-            .iter()
-            .filter_map(|m| m["id"].as_str().map(str::to_string))
-            .collect();
-        Ok(ids)
+        let mut v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("/v1/models: {e}"))?;
+        let serde_json::Value::Array(data) = v["data"].take() else {
+            return Err("/v1/models: no data array".into());
+        };
+        let cards: Vec<serde_json::Value> = data.into_iter().filter(|m| m["id"].is_string()).collect();
+        let ids = cards.iter().filter_map(|m| m["id"].as_str().map(str::to_string)).collect();
+        Ok((ids, cards))
     }
 
     async fn scrape(&self, b: &Backend, timeout: Duration, source: SignalSource, round: u64) {
@@ -104,20 +104,26 @@ impl Scraper {
             None => Err(format!("{} does not resolve", b.authority)),
             Some(addr) => match tokio::time::timeout(timeout, async {
                 let unix_ms = switchyard_shim::process::unix_ms();
-                let signal = match source {
+                let (signal, lora) = match source {
                     SignalSource::Metrics => {
                         let text = self.get(b, addr, "/metrics").await?;
-                        switchyard_shim::parse_load_signal(&text, unix_ms).map_err(|e| format!("/metrics: {e}"))?
+                        let signal =
+                            switchyard_shim::parse_load_signal(&text, unix_ms).map_err(|e| format!("/metrics: {e}"))?;
+                        // A second pass only for engines that report adapters.
+                        let lora = memchr::memmem::find(text.as_bytes(), switchyard_shim::lora::LORA_INFO.as_bytes())
+                            .and_then(|_| switchyard_shim::parse_lora_info(&text).ok().flatten())
+                            .map(Arc::new);
+                        (signal, lora)
                     }
                     SignalSource::Load => {
                         let text = self.get(b, addr, "/load").await?;
-                        switchyard_shim::expose::parse_load_json(&text, unix_ms).map_err(|e| e.to_string())?
+                        (switchyard_shim::expose::parse_load_json(&text, unix_ms).map_err(|e| e.to_string())?, None)
                     }
                 };
                 let refresh = b.configured_models.is_none()
                     && (prev.models.is_empty() || round.is_multiple_of(MODELS_REFRESH_EVERY));
                 let models = if refresh { Some(self.models(b, addr).await?) } else { None };
-                Ok::<_, String>((signal, models))
+                Ok::<_, String>((signal, lora, models))
             })
             .await
             {
@@ -126,16 +132,22 @@ impl Scraper {
             },
         };
         let next = match result {
-            Ok((signal, models)) => {
+            Ok((signal, lora, models)) => {
                 let went_back = prev.signal.as_ref().is_some_and(|(old, _)| {
                     matches!((old.generation_tokens_total, signal.generation_tokens_total), (Some(o), Some(n)) if n < o)
                 });
                 if went_back {
                     b.restarts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
+                let (models, cards) = match models {
+                    Some((ids, cards)) => (ids, Arc::new(cards)),
+                    None => (prev.models.clone(), prev.cards.clone()),
+                };
                 Scraped {
                     signal: Some((signal, Instant::now())),
-                    models: models.unwrap_or_else(|| prev.models.clone()),
+                    models,
+                    cards,
+                    lora,
                     consecutive_failures: 0,
                     last_error: None,
                 }
@@ -143,6 +155,8 @@ impl Scraper {
             Err(e) => Scraped {
                 signal: prev.signal,
                 models: prev.models.clone(),
+                cards: prev.cards.clone(),
+                lora: prev.lora.clone(),
                 consecutive_failures: prev.consecutive_failures.saturating_add(1),
                 last_error: Some(e),
             },

@@ -39,11 +39,11 @@ pub async fn send_with(
     let conn = tokio::spawn(async move {
         let _ = conn.await;
     });
-    let mut req = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", addr.to_string())
-        .header("content-type", "application/json");
+    let mut req = hyper::Request::builder().method(method).uri(path).header("host", addr.to_string());
+    // JSON unless the caller says otherwise.
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-type")) {
+        req = req.header("content-type", "application/json");
+    }
     for (k, v) in headers {
         req = req.header(*k, *v);
     }

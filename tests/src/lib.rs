@@ -1,8 +1,8 @@
 //! Shared helpers for Switchyard's test suites: an HTTP client with chunk timing and
 //! disconnects ([`client`]), Prometheus parsing, and spawning the real binaries on
-//! loopback ([`procs`]), a typed gateway config ([`gateway_config`]) and a scripted fault
-//! engine ([`fault`]). Every port comes from the OS (`127.0.0.1:0`); nothing leaves
-//! the machine.
+//! loopback ([`procs`]), a typed gateway config ([`gateway_config`]), a scripted fault
+//! engine ([`fault`]) and an engine that answers every OpenAI route ([`route_engine`]).
+//! Every port comes from the OS (`127.0.0.1:0`); nothing leaves the machine.
 
 pub mod client;
 pub mod fake_kube;
@@ -10,8 +10,10 @@ pub mod fault;
 pub mod gateway_config;
 pub mod pki;
 pub mod procs;
+pub mod route_engine;
 
 pub use client::*;
 pub use fault::{Fault, FaultEngine};
 pub use gateway_config::{sha256, ApiKey, GatewayConfigBuilder};
 pub use procs::*;
+pub use route_engine::{adapter_card, model_card, RouteEngine};

@@ -167,6 +167,8 @@ impl Exchange {
         };
         ctx.stream = plan.stream;
         ctx.model = Some(plan.model.clone());
+        state.metrics.count_alias(plan.alias.as_deref(), &plan.model);
+        let body = plan.engine_body(body.freeze());
         if let Err(e) = self.app.charge_tokens(&plan, ctx).await {
             return Err(self.reject(e, ctx).await);
         }
@@ -207,7 +209,7 @@ impl Exchange {
             endpoints.push(',');
             endpoints.push_str(&endpoint(&active.cluster.backends[i]));
         }
-        self.send_route(&endpoints, &active, ctx).await?;
+        self.send_route(&endpoints, &active, ctx, body.len() != ctx.request_bytes).await?;
         let trailers = matches!(end, BodyEnd::Trailers);
         for part in protocol::request_body(&body, !trailers) {
             self.send(part).await?;
@@ -236,7 +238,7 @@ impl Exchange {
         ctx.backend = Some(backend.url.clone());
         ctx.reason = Some("random");
         let guard = InflightGuard::new(backend.clone(), 0, 0, false);
-        self.send_route(&endpoint(&backend), &active, ctx).await?;
+        self.send_route(&endpoint(&backend), &active, ctx, false).await?;
         Ok(Routed { active, index, guard })
     }
 
@@ -393,12 +395,17 @@ impl Exchange {
     /// The headers answer: the engines in `destination_header` and `envoy.lb`, the request
     /// id, and what must not reach an engine removed (the edge's credentials; the tenant's
     /// key when keys are on; a client's claim of the served endpoint).
-    async fn send_route(&self, endpoints: &str, active: &Active, ctx: &RequestCtx) -> Result<(), Stop> {
+    /// `resized`: the body echoed differs in length from the client's (an alias rewrote its
+    /// model), so the client's `Content-Length` goes (Envoy then sends the body chunked).
+    async fn send_route(&self, endpoints: &str, active: &Active, ctx: &RequestCtx, resized: bool) -> Result<(), Stop> {
         let id = ctx.request_id.as_deref().unwrap_or("");
         let mut remove = vec![protocol::SERVED_KEY];
         remove.extend_from_slice(EDGE_ONLY);
         if active.config.auth.enabled() {
             remove.push("authorization");
+        }
+        if resized {
+            remove.push("content-length");
         }
         let reply = protocol::route_to(&self.epp.destination_header, endpoints, &[(REQUEST_ID, id)], &remove);
         self.send(reply).await

@@ -373,6 +373,8 @@ impl ProxyApp {
             request_id,
             strip_authorization: cfg.auth.enabled(),
         };
+        // The query string goes too: the route's bytes reach the engine as the client sent them.
+        let path = s.req_header().uri.path_and_query().map_or(path, |p| p.as_str());
         let req = super::upstream_request(s.req_header(), path, &backend.authority, body.len(), &fwd)
             .map_err(|e| AttemptError::Refused(ProxyError::BadRequest(format!("cannot forward this request: {e}"))))?;
         let sent = async {

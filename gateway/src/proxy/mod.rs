@@ -216,8 +216,16 @@ impl ProxyApp {
                 respond(s, status, "text/plain", Bytes::from(body), None).await
             }
             ("GET", "/v1/models") => respond(s, 200, "application/json", Bytes::from(self.models_body()), None).await,
-            ("POST", "/v1/chat/completions" | "/v1/completions") => self.proxy(s, ctx).await,
-            (_, "/-/healthz" | "/-/ready" | "/v1/models" | "/v1/chat/completions" | "/v1/completions") => {
+            ("GET", path) if path.starts_with(MODEL_PREFIX) => match self.model_body(&path[MODEL_PREFIX.len()..]) {
+                Ok(body) => respond(s, 200, "application/json", Bytes::from(body), None).await,
+                Err(e) => self.fail(s, e, ctx).await,
+            },
+            ("POST", path) if is_model_route(path) => self.proxy(s, ctx).await,
+            (_, path)
+                if matches!(path, "/-/healthz" | "/-/ready" | "/v1/models")
+                    || path.starts_with(MODEL_PREFIX)
+                    || is_model_route(path) =>
+            {
                 let e = ProxyError::MethodNotAllowed(ctx.method.clone());
                 self.fail(s, e, ctx).await
             }
@@ -231,7 +239,7 @@ impl ProxyApp {
     /// Phase `admit`: for `/v1/` requests, the API key (the `Authorization` header's value)
     /// and its request rate; the key's tenant goes into `ctx` (refused or not).
     pub(crate) async fn admit(&self, authorization: Option<&[u8]>, ctx: &mut RequestCtx) -> Result<(), ProxyError> {
-        if !ctx.path.starts_with("/v1/") {
+        if !(ctx.path.starts_with("/v1/") || is_model_route(&ctx.path)) {
             return Ok(());
         }
         let authenticated = self.state.active.load().auth.authenticate(authorization);
@@ -305,6 +313,8 @@ impl ProxyApp {
             Ok(x) => x,
             Err(e) => return self.reject_or_fail(s, e, ctx).await,
         };
+        self.state.metrics.count_alias(plan.alias.as_deref(), &plan.model);
+        let body = plan.engine_body(body);
         // Hold the request while no engine can take it; then route on what is current.
         let tenant = ctx.tenant.as_ref().map(|t| t.name.as_str());
         // The body was read whole: anything the client does now is leaving.
@@ -474,16 +484,41 @@ impl ProxyApp {
         }
     }
 
+    /// `GET /v1/models`: the union of the engines' models, each as its engine describes it.
     fn models_body(&self) -> String {
-        let active = self.state.active.load();
-        let data: Vec<_> = active
-            .cluster
-            .models()
-            .into_iter()
-            .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "switchyard"}))
-            .collect();
+        let data = self.state.active.load().cluster.model_cards();
         serde_json::json!({"object": "list", "data": data}).to_string()
     }
+
+    /// `GET /v1/models/{id}` (`id` as in the path, percent-encoded or not).
+    fn model_body(&self, id: &str) -> Result<String, ProxyError> {
+        let id = percent_encoding::percent_decode_str(id).decode_utf8_lossy();
+        let cards = self.state.active.load().cluster.model_cards();
+        match cards.into_iter().find(|c| c["id"] == *id) {
+            Some(card) => Ok(card.to_string()),
+            None => Err(ProxyError::ModelNotFound(id.into_owned())),
+        }
+    }
+}
+
+/// Where `GET /v1/models/{id}` starts.
+const MODEL_PREFIX: &str = "/v1/models/";
+
+/// vLLM's model routes outside `/v1/`.
+const ENGINE_ROUTES: [&str; 7] =
+    ["/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/v2/rerank"];
+
+/// vLLM's administrative routes under `/v1/`, never proxied: a client with an API key must
+/// not load adapters into engines it shares with others.
+const ENGINE_ADMIN_ROUTES: [&str; 2] = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"];
+
+/// Whether `path` is an inference route the gateway proxies when POSTed: every `/v1/*`
+/// route but the model list and the engines' administrative routes, and vLLM's model
+/// routes outside `/v1/` ([`ENGINE_ROUTES`]). The body names the model (JSON, or the
+/// `model` field of a multipart form).
+pub(crate) fn is_model_route(path: &str) -> bool {
+    let v1 = path.starts_with("/v1/") && path != "/v1/models" && !path.starts_with(MODEL_PREFIX);
+    (v1 && !ENGINE_ADMIN_ROUTES.contains(&path)) || ENGINE_ROUTES.contains(&path)
 }
 
 /// Backends that may take a request for `model` now, `tried` excluded: up, not ejected,

@@ -9,7 +9,7 @@ use pingora::http::RequestHeader;
 use crate::auth::Tenant;
 use crate::error::ProxyError;
 use crate::kv_events::subscriber::{KvEventsShared, PrecisePrompt};
-use crate::request::{canonical_prompt_blocks, routing_fields};
+use crate::request::{canonical_prompt_blocks, form_data_boundary, form_routing_fields, routing_fields};
 use crate::state::Active;
 
 /// What a request will be routed and charged as.
@@ -37,6 +37,10 @@ pub struct RoutePlan {
     pub precise: Option<PrecisePrompt>,
     /// The session header's value, for the `session` policy.
     pub session: Option<String>,
+    /// The alias the client asked for, when `model` is its chosen target.
+    pub alias: Option<String>,
+    /// The body bytes to replace (the model value) and what with, for an alias.
+    pub model_rewrite: Option<(std::ops::Range<usize>, Vec<u8>)>,
 }
 
 /// Plan `body` (sent with `head`) under the config, policy and backends of `active`.
@@ -53,11 +57,28 @@ pub fn plan_request(
     kv: Option<&KvEventsShared>,
 ) -> Result<RoutePlan, ProxyError> {
     let cfg = &active.config;
-    let fields = routing_fields(body, &cfg.limits.prompt_limits())?;
-    let model = match fields.model {
-        Some(m) => m,
+    let boundary = form_boundary(head).transpose().map_err(ProxyError::BadRequest)?;
+    let fields = match boundary {
+        Some(boundary) => form_routing_fields(body, boundary)?,
+        None => routing_fields(body, &cfg.limits.prompt_limits())?,
+    };
+    let (model, alias, model_rewrite) = match fields.model {
+        Some(asked) => match cfg.models.get(&asked) {
+            Some(split) => {
+                let session = head.headers.get(split.session_header.as_str()).map(|v| v.as_bytes());
+                let target = split.choose(session, rand::random()).to_string();
+                // In a form the value is raw bytes; in JSON, a string literal.
+                let value = match boundary {
+                    Some(_) => target.clone().into_bytes(),
+                    None => serde_json::to_vec(&target).expect("a string serializes"),
+                };
+                let rewrite = fields.model_span.clone().map(|span| (span, value));
+                (target, Some(asked), rewrite)
+            }
+            None => (asked, None, None),
+        },
         None => match active.cluster.models().as_slice() {
-            [only] => only.clone(),
+            [only] => (only.clone(), None, None),
             _ => return Err(ProxyError::BadRequest("model is required".into())),
         },
     };
@@ -86,12 +107,29 @@ pub fn plan_request(
         prompt_tokens: 0,
         precise: None,
         session: None,
+        alias,
+        model_rewrite,
     };
     plan.fit_policy(head, body, active, kv);
     Ok(plan)
 }
 
+/// The multipart boundary when the request is a `multipart/form-data` upload.
+fn form_boundary(head: &RequestHeader) -> Option<Result<&str, String>> {
+    let content_type = head.headers.get("content-type")?.to_str().ok()?;
+    form_data_boundary(content_type)
+}
+
 impl RoutePlan {
+    /// The body the engine gets: the client's bytes, with an alias's `model` value rewritten
+    /// to its target (the one change the gateway makes to a body).
+    pub fn engine_body(&self, body: bytes::Bytes) -> bytes::Bytes {
+        match &self.model_rewrite {
+            None => body,
+            Some((span, value)) => crate::aliases::rewrite(&body, span.clone(), value).into(),
+        }
+    }
+
     /// Fill in what `active`'s policy reads: the canonical prompt's block hashes and token
     /// estimate, and its precise block keys when `kv` can tokenize (prefix-aware policies);
     /// the session header (`session`). Called again when a reload changed the policy while
@@ -99,7 +137,8 @@ impl RoutePlan {
     pub fn fit_policy(&mut self, head: &RequestHeader, body: &[u8], active: &Active, kv: Option<&KvEventsShared>) {
         let policy = &active.policy;
         let pcfg = &active.config.prefix_index;
-        if policy.uses_prefix() {
+        // A form (an audio upload) has no prompt to hash.
+        if policy.uses_prefix() && form_boundary(head).is_none() {
             let (hashes, len) = canonical_prompt_blocks(body, pcfg.block_bytes);
             self.hashes = hashes;
             self.prompt_tokens = pcfg.tokens(len);

@@ -9,6 +9,7 @@
 //! precise prefix routing.
 
 mod content;
+mod multipart;
 mod prompt;
 pub mod tokens;
 
@@ -21,6 +22,7 @@ use serde_json::value::RawValue;
 use crate::error::ProxyError;
 
 pub use content::ContentDetector;
+pub use multipart::form_data_boundary;
 #[cfg(any(test, feature = "fuzzing"))]
 pub use prompt::canonical_prompt;
 pub use prompt::canonical_prompt_blocks;
@@ -35,6 +37,9 @@ pub const MAX_MODEL_NAME_BYTES: usize = 256;
 pub struct RoutingFields {
     /// `model`, if given.
     pub model: Option<String>,
+    /// Where its value stands in the body (a JSON string with its quotes, or a form field's
+    /// bytes), for an alias to rewrite.
+    pub model_span: Option<std::ops::Range<usize>>,
     /// `stream`.
     pub stream: bool,
     /// `max_completion_tokens` (else `max_tokens`, the engines' precedence) when it is a
@@ -94,19 +99,19 @@ pub fn routing_fields(body: &[u8], limits: &PromptLimits) -> Result<RoutingField
             return Err(ProxyError::too_long("prompt", "prompts or token ids", limits.max_prompt_items, all));
         }
     }
-    let model = match raw.model {
-        None => None,
-        Some(v) if v.get() == "null" => None,
-        Some(v) => Some(
-            serde_json::from_str::<String>(v.get())
-                .map_err(|_| ProxyError::BadRequest(format!("model must be a string, got {}", truncate(v.get()))))?,
-        ),
-    };
-    if let Some(m) = model.as_ref().filter(|m| m.len() > MAX_MODEL_NAME_BYTES) {
-        return Err(ProxyError::BadRequest(format!(
-            "model names are at most {MAX_MODEL_NAME_BYTES} bytes, got one of {}",
-            m.len()
-        )));
+    let (model, model_span) =
+        match raw.model {
+            None => (None, None),
+            Some(v) if v.get() == "null" => (None, None),
+            Some(v) => (
+                Some(serde_json::from_str::<String>(v.get()).map_err(|_| {
+                    ProxyError::BadRequest(format!("model must be a string, got {}", truncate(v.get())))
+                })?),
+                Some(span_in(text.as_bytes(), v.get().as_bytes())),
+            ),
+        };
+    if let Some(m) = &model {
+        check_model_name(m)?;
     }
     let stream = match raw.stream {
         None => false,
@@ -119,7 +124,49 @@ pub fn routing_fields(body: &[u8], limits: &PromptLimits) -> Result<RoutingField
     // The engines' precedence (vLLM, ours): `max_completion_tokens` first. Charging
     // `max_tokens` first let `{"max_tokens":1,"max_completion_tokens":100000}` pay for one.
     let max_tokens = raw.max_completion_tokens.or(raw.max_tokens).and_then(|v| v.get().parse::<u64>().ok());
-    Ok(RoutingFields { model, stream, max_tokens })
+    Ok(RoutingFields { model, model_span, stream, max_tokens })
+}
+
+/// Where `part`, a subslice of `whole`, stands in it.
+fn span_in(whole: &[u8], part: &[u8]) -> std::ops::Range<usize> {
+    let start = part.as_ptr() as usize - whole.as_ptr() as usize;
+    debug_assert!(start + part.len() <= whole.len());
+    start..start + part.len()
+}
+
+/// The routing fields of a `multipart/form-data` upload with `boundary` (an audio file for
+/// `/v1/audio/transcriptions`): its `model` and `stream` form fields. A form has no prompt
+/// to count and no token limit.
+pub fn form_routing_fields(body: &[u8], boundary: &str) -> Result<RoutingFields, ProxyError> {
+    let [model, stream] =
+        multipart::text_fields(body, boundary, ["model", "stream"]).map_err(ProxyError::BadRequest)?;
+    if let Some(m) = model {
+        check_model_name(m)?;
+    }
+    let stream = match stream.map(str::trim) {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(other) => {
+            return Err(ProxyError::BadRequest(format!("stream must be true or false, got {}", truncate(other))))
+        }
+    };
+    let model_span = model.map(|m| span_in(body, m.as_bytes()));
+    Ok(RoutingFields { model: model.map(str::to_string), model_span, stream, max_tokens: None })
+}
+
+/// A model name may become a metric label, a log field and a header: at most
+/// [`MAX_MODEL_NAME_BYTES`] bytes and no control characters.
+fn check_model_name(m: &str) -> Result<(), ProxyError> {
+    if m.len() > MAX_MODEL_NAME_BYTES {
+        return Err(ProxyError::BadRequest(format!(
+            "model names are at most {MAX_MODEL_NAME_BYTES} bytes, got one of {}",
+            m.len()
+        )));
+    }
+    if m.chars().any(char::is_control) {
+        return Err(ProxyError::BadRequest("model names hold no control characters".into()));
+    }
+    Ok(())
 }
 
 /// How many items a value holds, counted while it is skipped: `top`, the entries of an
@@ -285,11 +332,21 @@ mod tests {
             &PromptLimits::NONE,
         )
         .unwrap();
-        assert_eq!(f, RoutingFields { model: Some("m".into()), stream: true, max_tokens: None });
+        assert_eq!(
+            f,
+            RoutingFields { model: Some("m".into()), model_span: Some(9..12), stream: true, max_tokens: None }
+        );
         assert_eq!(
             routing_fields(b" {}", &PromptLimits::NONE).unwrap(),
-            RoutingFields { model: None, stream: false, max_tokens: None }
+            RoutingFields { model: None, model_span: None, stream: false, max_tokens: None }
         );
+        // The span is the value as written, escapes and all; a form field's is its bytes.
+        let escaped = br#"{"stream":false, "model" : "a/b"}"#;
+        let f = routing_fields(escaped, &PromptLimits::NONE).unwrap();
+        assert_eq!((f.model.as_deref(), &escaped[f.model_span.unwrap()]), (Some("a/b"), &br#""a/b""#[..]));
+        let form = b"--B\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper\r\n--B--\r\n";
+        let f = form_routing_fields(form, "B").unwrap();
+        assert_eq!(&form[f.model_span.unwrap()], b"whisper");
         assert_eq!(routing_fields(br#"{"max_tokens":7}"#, &PromptLimits::NONE).unwrap().max_tokens, Some(7));
         assert_eq!(routing_fields(br#"{"max_completion_tokens":9}"#, &PromptLimits::NONE).unwrap().max_tokens, Some(9));
         let both = br#"{"max_tokens":1,"max_completion_tokens":100000}"#;
