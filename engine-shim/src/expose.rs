@@ -7,7 +7,7 @@
 
 use std::fmt::Write;
 
-use crate::{Dialect, LoadSignal, ShimError};
+use crate::{Dialect, LoadSignal, LoraInfo, ShimError};
 
 /// The sidecar's own view of its engine.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -85,13 +85,24 @@ fn json_num(v: Option<f64>) -> String {
 }
 
 /// The `/load` body: `{"dialect", "waiting", "running", "kv_usage", "prefix_hit_rate",
-/// "in_flight", "ready", "draining", "scraped_at_unix_ms", "error"}`; the signal fields are
-/// `null` when the last scrape failed, and `error` says why.
-pub fn load_json(signal: Option<&LoadSignal>, state: SidecarState, error: Option<&str>) -> String {
+/// "in_flight", "ready", "draining", "scraped_at_unix_ms", "lora", "error"}`; the signal
+/// fields are `null` when the last scrape failed, and `error` says why. `lora` is the
+/// engine's loaded adapters (`{"running": [...], "waiting": [...], "max_lora": n}`), `null`
+/// when it reports none.
+pub fn load_json(
+    signal: Option<&LoadSignal>,
+    state: SidecarState,
+    lora: Option<&LoraInfo>,
+    error: Option<&str>,
+) -> String {
     let esc = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', " ");
+    let lora = lora.map_or_else(
+        || "null".to_string(),
+        |l| serde_json::json!({"running": l.running, "waiting": l.waiting, "max_lora": l.max_lora}).to_string(),
+    );
     format!(
         "{{\"dialect\":{},\"waiting\":{},\"running\":{},\"kv_usage\":{},\"prefix_hit_rate\":{},\"in_flight\":{},\
-         \"ready\":{},\"draining\":{},\"scraped_at_unix_ms\":{},\"error\":{}}}",
+         \"ready\":{},\"draining\":{},\"scraped_at_unix_ms\":{},\"lora\":{},\"error\":{}}}",
         signal.map_or_else(|| "null".into(), |s| format!("\"{}\"", s.dialect.as_str())),
         json_num(signal.map(|s| s.waiting)),
         json_num(signal.map(|s| s.running)),
@@ -101,8 +112,24 @@ pub fn load_json(signal: Option<&LoadSignal>, state: SidecarState, error: Option
         state.ready && !state.draining,
         state.draining,
         signal.map_or_else(|| "null".into(), |s| s.scraped_at_unix_ms.to_string()),
+        lora,
         error.map_or_else(|| "null".into(), |e| format!("\"{}\"", esc(e))),
     )
+}
+
+/// The adapters a sidecar's `/load` body reports (its `lora` field); `None` when it has none
+/// or the body does not parse.
+pub fn parse_load_lora(text: &str) -> Option<LoraInfo> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    let lora = v.get("lora").filter(|l| l.is_object())?;
+    let names = |k: &str| -> Vec<String> {
+        lora[k].as_array().map_or_else(Vec::new, |a| a.iter().filter_map(|x| x.as_str().map(str::to_string)).collect())
+    };
+    Some(LoraInfo {
+        running: names("running"),
+        waiting: names("waiting"),
+        max_lora: lora["max_lora"].as_u64().and_then(|m| u32::try_from(m).ok()),
+    })
 }
 
 /// Read a sidecar's `/load` body back into a [`LoadSignal`] (what a gateway configured to
@@ -183,15 +210,18 @@ mod tests {
     #[test]
     fn load_json_round_trips_and_refuses_what_must_take_no_traffic() {
         let s = crate::parse_load_signal(SGLANG, 7).unwrap();
-        let back = parse_load_json(&load_json(Some(&s), state(), None), 9).unwrap();
+        let back = parse_load_json(&load_json(Some(&s), state(), None, None), 9).unwrap();
         assert_eq!(
             (back.dialect, back.waiting, back.running, back.kv_usage),
             (s.dialect, s.waiting, s.running, s.kv_usage)
         );
         assert_eq!(back.scraped_at_unix_ms, 9);
         let draining = SidecarState { draining: true, ..state() };
-        assert_eq!(parse_load_json(&load_json(Some(&s), draining, None), 9), Err(ShimError::Load("draining".into())));
-        let down = load_json(None, SidecarState { ready: false, ..state() }, Some("engine /health failing"));
+        assert_eq!(
+            parse_load_json(&load_json(Some(&s), draining, None, None), 9),
+            Err(ShimError::Load("draining".into()))
+        );
+        let down = load_json(None, SidecarState { ready: false, ..state() }, None, Some("engine /health failing"));
         assert_eq!(parse_load_json(&down, 9), Err(ShimError::Load("not ready: engine /health failing".into())));
         assert!(matches!(parse_load_json("<html>", 9), Err(ShimError::Load(m)) if m.starts_with("not JSON")));
         let negative = r#"{"dialect":"vllm","waiting":-1,"running":0,"ready":true,"draining":false}"#;
@@ -199,18 +229,28 @@ mod tests {
     }
 
     #[test]
+    fn loaded_adapters_cross_the_sidecar() {
+        let s = crate::parse_load_signal(VLLM, 7).unwrap();
+        let lora = LoraInfo { running: vec!["sql".into()], waiting: vec![], max_lora: Some(4) };
+        let j = load_json(Some(&s), state(), Some(&lora), None);
+        assert_eq!(parse_load_lora(&j), Some(lora));
+        assert_eq!(parse_load_lora(&load_json(Some(&s), state(), None, None)), None);
+    }
+
+    #[test]
     fn load_json_is_null_where_unknown() {
         let j = load_json(
             None,
             SidecarState { in_flight: 0, ready: false, draining: true },
+            None,
             Some("connection \"refused\""),
         );
         assert_eq!(
             j,
-            r#"{"dialect":null,"waiting":null,"running":null,"kv_usage":null,"prefix_hit_rate":null,"in_flight":0,"ready":false,"draining":true,"scraped_at_unix_ms":null,"error":"connection \"refused\""}"#
+            r#"{"dialect":null,"waiting":null,"running":null,"kv_usage":null,"prefix_hit_rate":null,"in_flight":0,"ready":false,"draining":true,"scraped_at_unix_ms":null,"lora":null,"error":"connection \"refused\""}"#
         );
         let s = crate::parse_load_signal(SGLANG, 7).unwrap();
-        let j = load_json(Some(&s), state(), None);
+        let j = load_json(Some(&s), state(), None, None);
         assert!(
             j.starts_with("{\"dialect\":\"sglang\"") && j.contains("\"in_flight\":3") && j.ends_with("\"error\":null}")
         );

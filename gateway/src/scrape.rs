@@ -117,7 +117,9 @@ impl Scraper {
                     }
                     SignalSource::Load => {
                         let text = self.get(b, addr, "/load").await?;
-                        (switchyard_shim::expose::parse_load_json(&text, unix_ms).map_err(|e| e.to_string())?, None)
+                        let signal =
+                            switchyard_shim::expose::parse_load_json(&text, unix_ms).map_err(|e| e.to_string())?;
+                        (signal, switchyard_shim::expose::parse_load_lora(&text).map(Arc::new))
                     }
                 };
                 let refresh = b.configured_models.is_none()

@@ -63,6 +63,7 @@ impl RouteEngine {
         let app = axum::Router::new()
             .route("/metrics", axum::routing::get(metrics))
             .route("/v1/models", axum::routing::get(models))
+            .route("/health", axum::routing::get(|| async { "" }))
             .fallback(answer)
             .with_state(engine.clone());
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });

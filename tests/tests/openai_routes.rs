@@ -286,3 +286,28 @@ async fn models_adapters_and_a_weighted_split_route_where_they_are_served() {
         assert!(a1 - a0 == 10 || b1 - b0 == 10, "session {session} was split: {} / {}", a1 - a0, b1 - b0);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adapters_loaded_behind_sidecars_draw_their_requests_too() {
+    // The chart's layout: the gateway reads each pod's sidecar (`/load`), not the engine.
+    let a = vec![model_card("model-a"), adapter_card("sql-lora", "model-a")];
+    let (e1, e2) = (RouteEngine::start("e1", a.clone()).await, RouteEngine::start("e2", a).await);
+    e2.set_running_adapters(&["sql-lora"]);
+    let sidecars: Vec<ShimProc> =
+        [&e1, &e2].iter().map(|e| ShimProc::start(&e.url(), &["--scrape-interval-ms", "50"])).collect();
+    let g = GatewayProc::start(
+        &GatewayConfigBuilder::new()
+            .backends(sidecars.iter().map(|s| format!("http://{}", s.addr)))
+            .scrape_source("load")
+            .policy("least_load"),
+    );
+    wait_scraped(&g, 2).await;
+    let load = send(sidecars[1].addr, "GET", "/load", Bytes::new()).await.json().await;
+    assert_eq!(load["lora"]["running"], json!(["sql-lora"]), "{load}");
+    for _ in 0..10 {
+        let r = post(g.addr, "/v1/chat/completions", &json!({"model": "sql-lora", "messages": []})).await;
+        assert_eq!(r.status, 200);
+        r.text().await;
+    }
+    assert_eq!((answered_for(&e1, "sql-lora"), answered_for(&e2, "sql-lora")), (0, 10));
+}

@@ -201,7 +201,9 @@ async fn metrics(State(sh): State<Arc<Sidecar>>) -> Response {
 async fn load(State(sh): State<Arc<Sidecar>>) -> Response {
     let body = {
         let last = sh.last_scrape();
-        load_json(last.signal.as_ref(), sh.state(), last.error.as_deref())
+        // The engine's adapters pass on from its last metrics (vLLM's lora_requests_info).
+        let lora = crate::parse_lora_info(&last.text).ok().flatten();
+        load_json(last.signal.as_ref(), sh.state(), lora.as_ref(), last.error.as_deref())
     };
     ([(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
