@@ -10,10 +10,8 @@
 //!   chat-default:
 //!     targets: [ { model: llama-3-8b-v1, weight: 90 }, { model: llama-3-8b-v2, weight: 10 } ]
 //!     session_header: x-session-id     # default
+//!     rewrite_response: false          # true: the response's `model` says the alias again
 //! ```
-//!
-//! The response is the target's, `model` included (writing the alias back into responses,
-//! streamed ones too, is not done yet).
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -36,6 +34,10 @@ pub struct ModelAlias {
     /// A request carrying this header always gets the same target for the same value.
     #[serde(default = "default_session_header")]
     pub session_header: String,
+    /// Write the alias back into the response: every `"model":"TARGET"` (as engines write
+    /// JSON, without spaces) of the body or of its SSE events says `"model":"ALIAS"`.
+    #[serde(default)]
+    pub rewrite_response: bool,
 }
 
 /// One target of an alias.
@@ -116,6 +118,56 @@ pub fn rewrite(body: &[u8], span: Range<usize>, value: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Writes an alias back over its target's name in a response body that arrives in
+/// pieces: every `"model":"TARGET"` becomes `"model":"ALIAS"`, also where a piece ends in
+/// the middle of one (those bytes wait for the next piece; no other byte waits).
+#[derive(Debug, Clone)]
+pub struct Writeback {
+    from: Vec<u8>,
+    to: Vec<u8>,
+    carry: Vec<u8>,
+}
+
+impl Writeback {
+    /// Replace `target` by `alias` in `"model"` fields.
+    pub fn new(target: &str, alias: &str) -> Self {
+        let field = |name: &str| {
+            let mut f = b"\"model\":".to_vec();
+            f.extend_from_slice(&serde_json::to_vec(name).expect("a string serializes"));
+            f
+        };
+        Writeback { from: field(target), to: field(alias), carry: Vec::new() }
+    }
+
+    /// The next piece of the body (`end`: the last), rewritten; bytes that might begin a
+    /// match are held until the next piece shows whether they do.
+    pub fn apply(&mut self, piece: &[u8], end: bool) -> Vec<u8> {
+        let mut data = std::mem::take(&mut self.carry);
+        data.extend_from_slice(piece);
+        let mut out = Vec::with_capacity(data.len());
+        let finder = memchr::memmem::Finder::new(&self.from);
+        let mut at = 0;
+        while let Some(i) = finder.find(&data[at..]) {
+            out.extend_from_slice(&data[at..at + i]);
+            out.extend_from_slice(&self.to);
+            at += i + self.from.len();
+        }
+        let rest = &data[at..];
+        // The longest tail of `rest` that begins `from` waits (unless the body ends here).
+        let hold = if end {
+            0
+        } else {
+            (1..self.from.len().min(rest.len() + 1))
+                .rev()
+                .find(|&n| self.from.starts_with(&rest[rest.len() - n..]))
+                .unwrap_or(0)
+        };
+        out.extend_from_slice(&rest[..rest.len() - hold]);
+        self.carry = rest[rest.len() - hold..].to_vec();
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,6 +176,7 @@ mod tests {
         ModelAlias {
             targets: vec![SplitTarget { model: "a".into(), weight: a }, SplitTarget { model: "b".into(), weight: b }],
             session_header: DEFAULT_SESSION_HEADER.into(),
+            rewrite_response: false,
         }
     }
 
@@ -169,6 +222,35 @@ mod tests {
         ] {
             assert!(all.contains(needle), "missing {needle:?} in\n{all}");
         }
+    }
+
+    #[test]
+    fn the_alias_is_written_back_across_any_split() {
+        let body = br#"data: {"id":"x","model":"llama-v2","choices":[]}
+
+data: {"model":"llama-v2","x":"\"model\":\"llama-v2"}
+
+data: [DONE]
+
+"#;
+        let want = String::from_utf8(body.to_vec()).unwrap().replace(r#""model":"llama-v2""#, r#""model":"chat""#);
+        // Every way of cutting the body in two, and byte by byte.
+        for cut in 0..=body.len() {
+            let mut w = Writeback::new("llama-v2", "chat");
+            let mut out = w.apply(&body[..cut], false);
+            out.extend(w.apply(&body[cut..], true));
+            assert_eq!(String::from_utf8(out).unwrap(), want, "cut at {cut}");
+        }
+        let mut w = Writeback::new("llama-v2", "chat");
+        let mut out = Vec::new();
+        for (i, b) in body.iter().enumerate() {
+            out.extend(w.apply(&[*b], i + 1 == body.len()));
+        }
+        assert_eq!(String::from_utf8(out).unwrap(), want);
+        // Nothing that could not begin a match waits: an event's end leaves at once.
+        let mut w = Writeback::new("llama-v2", "chat");
+        assert_eq!(w.apply(b"data: {}\n\n", false), b"data: {}\n\n");
+        assert_eq!(w.apply(br#"{"mod"#, false), b"{");
     }
 
     #[test]

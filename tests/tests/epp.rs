@@ -223,6 +223,38 @@ async fn without_an_engine_envoy_answers_503_or_after_the_queue_429_and_keys_sti
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_alias_through_envoy_reaches_its_target_and_comes_back_named() {
+    // The picker rewrites the body's model (a different length: Content-Length goes) and
+    // writes the alias back over the engine's answers, streamed or not.
+    let engines = sim_engines(1);
+    let alias = format!("{{ short: {{ targets: [ {{ model: {MODEL}, weight: 1 }} ], rewrite_response: true }} }}");
+    let g = GatewayProc::start(&picker(engines.iter().map(|e| e.url())).section("models", &alias));
+    wait_scraped(&g, 1).await;
+    let envoy = EnvoyProc::start(g.epp.unwrap(), false);
+    let r = post(envoy.addr, "/v1/completions", &json!({"model": "short", "prompt": "hello", "max_tokens": 3})).await;
+    assert_eq!(r.status, 200, "{}", g.log());
+    let v = r.json().await;
+    assert_eq!(v["model"], "short", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    let body =
+        json!({"model": "short", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": true});
+    let mut r = post(envoy.addr, "/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200);
+    let mut events = 0;
+    while let Some(e) = r.next_event().await {
+        if e == "[DONE]" {
+            break;
+        }
+        let chunk: serde_json::Value = serde_json::from_str(&e).unwrap();
+        assert_eq!(chunk["model"], "short", "{e}");
+        events += 1;
+    }
+    assert!(events >= 3);
+    let served = served(&engines).await;
+    assert_eq!(served[0], 2.0, "both reached the engine as its own model");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_megabyte_prompt_passes_intact_through_the_body_echo() {
     let engine = FaultEngine::start(Fault::Healthy).await;
     let g = GatewayProc::start(&picker([engine.url()]).section("limits", "{ max_body_bytes: 4194304 }"));

@@ -215,7 +215,8 @@ async fn models_adapters_and_a_weighted_split_route_where_they_are_served() {
     let (e1, e2) = (RouteEngine::start("e1", a.clone()).await, RouteEngine::start("e2", a).await);
     let e3 = RouteEngine::start("e3", vec![model_card("model-b")]).await;
     e2.set_running_adapters(&["sql-lora"]);
-    let split = "{ chat-default: { targets: [ { model: model-a, weight: 90 }, { model: model-b, weight: 10 } ] } }";
+    let split = "{ chat-default: { targets: [ { model: model-a, weight: 90 }, { model: model-b, weight: 10 } ] }, \
+                 canary: { targets: [ { model: model-b, weight: 1 } ], rewrite_response: true } }";
     let g = GatewayProc::start(
         &GatewayConfigBuilder::new()
             .backends([e1.url(), e2.url(), e3.url()])
@@ -273,6 +274,15 @@ async fn models_adapters_and_a_weighted_split_route_where_they_are_served() {
     let scraped = scrape(g.admin).await;
     let counted = metric_where(&scraped, "switchyard_alias_requests_total", "target", "model-a");
     assert_eq!(counted as usize, to_a);
+    // An alias that writes itself back: the responses say `canary`, streamed or not.
+    for (path, stream) in [("/v1/completions", false), ("/v1/chat/completions", true), ("/v1/responses", false)] {
+        let r = post(g.addr, path, &json!({"model": "canary", "stream": stream, "input": "x"})).await;
+        assert_eq!(r.status, 200);
+        let text = r.text().await;
+        let sent = String::from_utf8(e3.answered().last().unwrap().answer.to_vec()).unwrap();
+        assert!(sent.contains(r#""model":"model-b""#), "{sent}");
+        assert_eq!(text, sent.replace(r#""model":"model-b""#, r#""model":"canary""#), "{path}");
+    }
     // Sticky per session: each session's requests all go to one target.
     for session in ["alice", "bob", "carol", "dave", "erin"] {
         let (a0, b0) = (answered_for(&e1, "model-a") + answered_for(&e2, "model-a"), answered_for(&e3, "model-b"));

@@ -168,6 +168,7 @@ impl Exchange {
         ctx.stream = plan.stream;
         ctx.model = Some(plan.model.clone());
         state.metrics.count_alias(plan.alias.as_deref(), &plan.model);
+        ctx.writeback = plan.writeback(&planned_with);
         let body = plan.engine_body(body.freeze());
         if let Err(e) = self.app.charge_tokens(&plan, ctx).await {
             return Err(self.reject(e, ctx).await);
@@ -300,11 +301,20 @@ impl Exchange {
                     self.served(r, meta.as_ref(), h.headers.as_ref(), ctx);
                     self.response_status(r, h.headers.as_ref(), ctx);
                     let id = ctx.request_id.as_deref().unwrap_or("");
-                    (protocol::response_headers(&[(REQUEST_ID, id)], &[protocol::SERVED_KEY]), h.end_of_stream)
+                    // The alias written back changes the length.
+                    let remove: &[&str] = match ctx.writeback {
+                        Some(_) => &[protocol::SERVED_KEY, "content-length"],
+                        None => &[protocol::SERVED_KEY],
+                    };
+                    (protocol::response_headers(&[(REQUEST_ID, id)], remove), h.end_of_stream)
                 }
                 Msg::ResponseBody(b) => {
-                    self.observe(r, &b.body, ctx);
-                    (protocol::response_body(&b.body, b.end_of_stream), b.end_of_stream)
+                    let body = match ctx.writeback.as_mut() {
+                        Some(w) => w.apply(&b.body, b.end_of_stream),
+                        None => b.body,
+                    };
+                    self.observe(r, &body, ctx);
+                    (protocol::response_body(&body, b.end_of_stream), b.end_of_stream)
                 }
                 Msg::ResponseTrailers(_) => (protocol::response_trailers(), true),
                 Msg::RequestHeaders(_) | Msg::RequestBody(_) | Msg::RequestTrailers(_) => {

@@ -61,6 +61,8 @@ pub(crate) struct RequestCtx {
     pub content: crate::request::ContentDetector,
     /// The response is an SSE stream.
     pub sse: bool,
+    /// An alias to write back over its target in the response (`rewrite_response`).
+    pub writeback: Option<Box<crate::aliases::Writeback>>,
     /// Cluster positions already tried.
     pub tried: Vec<usize>,
     /// The last failed attempt's error (answered when no attempt is left).
@@ -102,6 +104,7 @@ impl RequestCtx {
             ledger: Ledger::Local,
             usage: UsageMeter::default(),
             content: crate::request::ContentDetector::default(),
+            writeback: None,
             sse: false,
             tried: Vec::new(),
             last_error: None,

@@ -314,6 +314,7 @@ impl ProxyApp {
             Err(e) => return self.reject_or_fail(s, e, ctx).await,
         };
         self.state.metrics.count_alias(plan.alias.as_deref(), &plan.model);
+        ctx.writeback = plan.writeback(&planned_with);
         let body = plan.engine_body(body);
         // Hold the request while no engine can take it; then route on what is current.
         let tenant = ctx.tenant.as_ref().map(|t| t.name.as_str());

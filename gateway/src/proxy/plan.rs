@@ -121,6 +121,13 @@ fn form_boundary(head: &RequestHeader) -> Option<Result<&str, String>> {
 }
 
 impl RoutePlan {
+    /// The writer of the alias back into the response, when the alias asks for it.
+    pub fn writeback(&self, active: &Active) -> Option<Box<crate::aliases::Writeback>> {
+        let alias = self.alias.as_deref()?;
+        active.config.models.get(alias).filter(|s| s.rewrite_response)?;
+        Some(Box::new(crate::aliases::Writeback::new(&self.model, alias)))
+    }
+
     /// The body the engine gets: the client's bytes, with an alias's `model` value rewritten
     /// to its target (the one change the gateway makes to a body).
     pub fn engine_body(&self, body: bytes::Bytes) -> bytes::Bytes {

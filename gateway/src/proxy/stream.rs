@@ -131,8 +131,13 @@ impl ProxyApp {
         } else {
             active.cluster.backends[index].record_success();
         }
-        let (mut resp, has_length, is_sse) = response_head(upstream)?;
+        let (mut resp, mut has_length, is_sse) = response_head(upstream)?;
         ctx.sse = is_sse;
+        if ctx.writeback.is_some() && has_length {
+            // The alias written back changes the length.
+            resp.remove_header("content-length");
+            has_length = false;
+        }
         if let Some(id) = &ctx.request_id {
             let _ = resp.insert_header(crate::http::REQUEST_ID, id.as_str());
         }
@@ -142,6 +147,12 @@ impl ProxyApp {
         // write. Otherwise it is chunked and pingora flushes the header at once.
         let mut buf = BytesMut::with_capacity(4096);
         let next = take_ready(up, &mut buf, &mut ctx.chunks);
+        if matches!(next, Ok(Body::Ended)) {
+            // The whole body is here: written back now, so its length is known.
+            if let Some(mut w) = ctx.writeback.take() {
+                buf = BytesMut::from(&w.apply(&buf, true)[..]);
+            }
+        }
         if !has_length && matches!(next, Ok(Body::Ended)) {
             let _ = resp.insert_header("content-length", buf.len().to_string());
         } else if !has_length && !s.is_http2() {
@@ -191,6 +202,11 @@ impl ProxyApp {
         ctx: &mut RequestCtx,
         inflight: &mut InflightGuard,
     ) -> bool {
+        if let Some(w) = ctx.writeback.as_mut() {
+            let rewritten = w.apply(buf, end);
+            buf.clear();
+            buf.extend_from_slice(&rewritten);
+        }
         if !inflight.prefilled() && !buf.is_empty() && (!ctx.sse || ctx.content.observe(buf)) {
             inflight.first_content();
         }
