@@ -74,7 +74,8 @@ pub struct EngineArgs {
     /// Disable automatic prefix caching.
     #[arg(long)]
     pub no_enable_prefix_caching: bool,
-    /// Seed of requests that do not give one.
+    /// Seed of requests that do not give one: 0, a random seed per request (vLLM's
+    /// behaviour); otherwise this mixed with the request's number, for reproducible runs.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// cpu: KV cache size in GiB (vLLM's `VLLM_CPU_KVCACHE_SPACE`).

@@ -361,6 +361,29 @@ async fn bad_input_gets_a_400_or_404_naming_the_field() {
         ("token id out of range", "/v1/completions", br#"{"prompt":[1,-2]}"#.to_vec(), 400, "token ids"),
         ("stop wrong type", "/v1/completions", br#"{"prompt":"a","stop":7}"#.to_vec(), 400, "stop"),
         ("batched prompts", "/v1/completions", br#"{"prompt":["a","b"]}"#.to_vec(), 400, "batched"),
+        // Fields the engine does not implement are refused by name, never ignored (#22).
+        (
+            "response_format",
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_object"}}"#.to_vec(),
+            400,
+            "response_format is not supported",
+        ),
+        (
+            "tools",
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"user","content":"hi"}],"tools":[]}"#.to_vec(),
+            400,
+            "tools is not supported",
+        ),
+        ("an unknown field", "/v1/completions", br#"{"prompt":"a","tempreature":0.5}"#.to_vec(), 400, "tempreature"),
+        (
+            "a chat's field on completions",
+            "/v1/completions",
+            br#"{"prompt":"a","messages":[]}"#.to_vec(),
+            400,
+            "messages",
+        ),
     ];
     for (what, path, body, status, needle) in cases {
         let r = send(addr, "POST", path, body).await;
@@ -409,4 +432,81 @@ async fn a_simulated_engine_tokenizes_like_the_model_it_is_given() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--tokenizer"), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// #22: a chat stream's first event (the `role` delta) leaves with the first generated
+/// token, not before the prefill; requests without a seed sample differently, with one
+/// repeat exactly; response ids are random.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_role_chunk_waits_for_the_first_token_and_unseeded_requests_differ() {
+    // A100, 8,000-token prompt in 512-token chunks: ~1 s of prefill.
+    let addr = spawn_engine(&["--sim-profile", "a100-llama3-8b", "--max-num-batched-tokens", "512"]).await;
+    let body =
+        json!({"messages": [{"role": "user", "content": prompt_of(8000, "r")}], "max_tokens": 4, "stream": true});
+    let mut resp = post(addr, "/v1/chat/completions", &body).await;
+    let first = resp.next_event().await.expect("the role chunk");
+    // Read as soon as the first event arrived: the first token exists already.
+    let generated = metric(&scrape(addr).await, "vllm:generation_tokens_total");
+    let v: serde_json::Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(v["choices"][0]["delta"]["role"], "assistant");
+    assert!(generated >= 1.0, "the role chunk left before any token ({generated} generated)");
+    let rest = resp.events().await;
+    assert_eq!(rest.last().unwrap().1, "[DONE]");
+
+    let ask = |seed: Option<u64>| {
+        let mut b = json!({"prompt": "pick some words", "max_tokens": 16, "ignore_eos": true});
+        if let Some(s) = seed {
+            b["seed"] = json!(s);
+        }
+        b
+    };
+    let text = |v: &serde_json::Value| v["choices"][0]["text"].as_str().unwrap().to_string();
+    let (a, b) = (post(addr, "/v1/completions", &ask(None)).await, post(addr, "/v1/completions", &ask(None)).await);
+    let (a, b) = (a.json().await, b.json().await);
+    assert_ne!(text(&a), text(&b), "two unseeded requests sampled alike");
+    assert_ne!(a["id"], b["id"]);
+    let id = a["id"].as_str().unwrap();
+    assert!(id.starts_with("cmpl-") && id.len() == 5 + 32 && id[5..].bytes().all(|c| c.is_ascii_hexdigit()), "{id}");
+    let (c, d) =
+        (post(addr, "/v1/completions", &ask(Some(7))).await, post(addr, "/v1/completions", &ask(Some(7))).await);
+    assert_eq!(text(&c.json().await), text(&d.json().await), "the same seed repeats");
+}
+
+/// vLLM's `/tokenize` and `/detokenize` shapes; the routes the engine does not serve yet
+/// answer 501 saying so, in the OpenAI shape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_and_detokenize_answer_in_vllms_shapes() {
+    let addr = spawn_engine(&["--sim-profile", "instant", "--max-model-len", "4096"]).await;
+    // Words the simulated tokenizer has (it generates from its own vocabulary).
+    let words = post(addr, "/v1/completions", &json!({"prompt": "x", "max_tokens": 6, "ignore_eos": true, "seed": 3}))
+        .await
+        .json()
+        .await["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let t = post(addr, "/tokenize", &json!({"prompt": words, "return_token_strs": true})).await;
+    assert_eq!(t.status, 200);
+    let t = t.json().await;
+    let tokens = t["tokens"].as_array().unwrap().clone();
+    assert_eq!(t["count"], tokens.len());
+    assert_eq!(t["max_model_len"], 4096);
+    assert_eq!(t["token_strs"].as_array().unwrap().len(), tokens.len());
+    let d = post(addr, "/detokenize", &json!({"tokens": tokens})).await.json().await;
+    assert_eq!(d["prompt"].as_str().unwrap(), words, "detokenize undoes tokenize");
+    let chat = post(addr, "/tokenize", &json!({"messages": [{"role": "user", "content": words}]})).await;
+    assert!(chat.json().await["count"].as_u64().unwrap() > tokens.len() as u64, "the template adds its markers");
+    for (path, body, status, says) in [
+        ("/detokenize", json!({"tokens": [-1]}), 400, "tokens"),
+        ("/tokenize", json!({"prompt": "a", "messages": []}), 400, "exactly one"),
+        ("/tokenize", json!({"prompt": "a", "model": "other"}), 404, "other"),
+        ("/v1/embeddings", json!({"input": "a"}), 501, "embeddings"),
+        ("/v1/responses", json!({"input": "a"}), 501, "Responses API"),
+    ] {
+        let r = post(addr, path, &body).await;
+        assert_eq!(r.status, status, "{path} {body}");
+        let v = r.json().await;
+        let msg = v["error"]["message"].as_str().unwrap_or_else(|| panic!("{path}: not the OpenAI shape: {v}"));
+        assert!(msg.contains(says), "{path}: {msg}");
+    }
 }

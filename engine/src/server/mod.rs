@@ -92,6 +92,20 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route(
+            "/v1/embeddings",
+            post(|| {
+                not_implemented("embeddings (the model's pooled hidden state) are not implemented by this engine yet")
+            }),
+        )
+        .route(
+            "/v1/responses",
+            post(|| {
+                not_implemented("the Responses API is not implemented by this engine yet; use /v1/chat/completions")
+            }),
+        )
         .route("/metrics", get(metrics))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .fallback(|| async {
@@ -100,6 +114,62 @@ pub fn router(state: Arc<AppState>) -> Router {
         })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
+}
+
+/// 501 in the OpenAI shape for a route the engine knows and does not serve yet.
+async fn not_implemented(what: &'static str) -> Response {
+    let err = ApiError::InvalidRequest { param: None, message: what.into() };
+    (StatusCode::NOT_IMPLEMENTED, Json(err.body())).into_response()
+}
+
+/// `POST /tokenize` (vLLM's): `{prompt}` or `{messages}` (rendered with the chat template,
+/// as a chat request is) → `{count, max_model_len, tokens, token_strs}`. No special
+/// token is added either way, as for a completion's prompt.
+async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let answer = (|| -> Result<serde_json::Value, ApiError> {
+        let fields = ["prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"];
+        let (req, common): (openai::TokenizeRequest, _) = openai::parse_body(&body, &fields)?;
+        st.check_model(&common.model)?;
+        let ids = match (req.prompt, req.messages) {
+            (Some(p), None) => st.tokenizer.encode(&p),
+            (None, Some(m)) => {
+                let messages = openai::chat_messages(Some(m))?;
+                let text = st.tokenizer.render_chat(&messages).map_err(|e| ApiError::invalid("messages", e))?;
+                st.tokenizer.encode(&text)
+            }
+            _ => return Err(ApiError::invalid("prompt", "give exactly one of prompt and messages")),
+        };
+        let strs = req
+            .return_token_strs
+            .unwrap_or(false)
+            .then(|| ids.iter().map(|&id| st.tokenizer.decode(&[id])).collect::<Vec<_>>());
+        Ok(serde_json::json!({"count": ids.len(), "max_model_len": st.limits.max_model_len, "tokens": ids,
+                              "token_strs": strs}))
+    })();
+    match answer {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /detokenize` (vLLM's): `{tokens}` → `{prompt}`.
+async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let answer = (|| -> Result<serde_json::Value, ApiError> {
+        let (req, common): (openai::DetokenizeRequest, _) = openai::parse_body(&body, &["tokens"])?;
+        st.check_model(&common.model)?;
+        let tokens = req.tokens.ok_or_else(|| ApiError::invalid("tokens", "tokens is required"))?;
+        let vocab = st.tokenizer.vocab_size().unwrap_or(TokenId::MAX as usize);
+        let ids = tokens
+            .iter()
+            .map(|&t| TokenId::try_from(t).ok().filter(|&id| (id as usize) < vocab))
+            .collect::<Option<Vec<TokenId>>>()
+            .ok_or_else(|| ApiError::invalid("tokens", format!("tokens must be ids of the vocabulary (0..{vocab})")))?;
+        Ok(serde_json::json!({"prompt": st.tokenizer.decode(&ids)}))
+    })();
+    match answer {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Response {
@@ -168,8 +238,13 @@ impl AppState {
         prompt_field: &str,
         id: u64,
     ) -> Result<Prepared, ApiError> {
-        let params =
-            openai::sampling_params(common, prompt.len(), prompt_field, self.limits, self.seed ^ splitmix64(id))?;
+        // Without a `seed`, each request draws its own (two engines, or two runs, never
+        // sample alike); `--seed` fixes them for reproducible runs.
+        let default_seed = match self.seed {
+            0 => rand::random(),
+            fixed => fixed ^ splitmix64(id),
+        };
+        let params = openai::sampling_params(common, prompt.len(), prompt_field, self.limits, default_seed)?;
         Ok(Prepared {
             prompt,
             params,
@@ -183,7 +258,7 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let arrival = Instant::now();
     let id = st.next_id.fetch_add(1, Ordering::Relaxed);
     let prepared = (|| {
-        let (req, common): (openai::CompletionRequest, _) = openai::parse_body(&body)?;
+        let (req, common): (openai::CompletionRequest, _) = openai::parse_body(&body, &["prompt"])?;
         st.check_model(&common.model)?;
         let prompt = match openai::completion_prompt(req.prompt)? {
             PromptInput::Text(t) => st.tokenizer.encode(&t),
@@ -201,21 +276,27 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         };
         st.prepare(&common, prompt, "prompt", id)
     })();
-    execute(st, prepared, Endpoint::Completions, format!("cmpl-{id:016x}"), id, arrival).await
+    execute(st, prepared, Endpoint::Completions, response_id("cmpl"), id, arrival).await
 }
 
 async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let arrival = Instant::now();
     let id = st.next_id.fetch_add(1, Ordering::Relaxed);
     let prepared = (|| {
-        let (req, common): (openai::ChatRequest, _) = openai::parse_body(&body)?;
+        let (req, common): (openai::ChatRequest, _) = openai::parse_body(&body, &["messages"])?;
         st.check_model(&common.model)?;
         let messages = openai::chat_messages(req.messages)?;
         let text = st.tokenizer.render_chat(&messages).map_err(|e| ApiError::invalid("messages", e))?;
         let prompt = st.tokenizer.encode(&text);
         st.prepare(&common, prompt, "messages", id)
     })();
-    execute(st, prepared, Endpoint::Chat, format!("chatcmpl-{id:016x}"), id, arrival).await
+    execute(st, prepared, Endpoint::Chat, response_id("chatcmpl"), id, arrival).await
+}
+
+/// A response id as vLLM makes them: the prefix and 128 random bits in hex, unique across
+/// engines and restarts.
+fn response_id(prefix: &str) -> String {
+    format!("{prefix}-{:032x}", rand::random::<u128>())
 }
 
 async fn execute(
@@ -272,10 +353,19 @@ struct SseState {
     tokenizer: Arc<dyn Tokenizer>,
     /// Log probabilities of tokens whose text is still held back.
     logprobs: Logprobs,
+    /// A chat's `role` chunk is still to be sent (with the first generated token).
     first: bool,
-    /// Chunks still to send after the engine finished (usage, `[DONE]`).
+    /// Chunks still to send, popped from the end (the token after the role, usage, `[DONE]`).
     tail: Vec<Bytes>,
     done: bool,
+}
+
+impl SseState {
+    /// The `role` chunk, once, for a chat; `None` after it or for a completion.
+    fn role_chunk(&mut self) -> Option<Bytes> {
+        let chat = self.meta.endpoint == Endpoint::Chat;
+        std::mem::replace(&mut self.first, false).then(|| chat.then(|| self.meta.chunk(Some(""), true, None, None)))?
+    }
 }
 
 fn sse_response(meta: ResponseMeta, stream: RequestStream, include_usage: bool, tok: Arc<dyn Tokenizer>) -> Response {
@@ -297,16 +387,21 @@ fn sse_response(meta: ResponseMeta, stream: RequestStream, include_usage: bool, 
             if s.done {
                 return None;
             }
-            if s.first && s.meta.endpoint == Endpoint::Chat {
-                s.first = false;
-                return Some((Ok(s.meta.chunk(Some(""), true, None, None)), s));
-            }
             match s.stream.next().await {
                 Some(Event::Token { text, logprobs, .. }) => {
                     s.logprobs.extend(logprobs);
+                    // A chat's first chunk (the `role` delta) leaves with the first generated
+                    // token, as vLLM's does: a client timing the first event sees the prefill.
+                    let role = s.role_chunk();
                     if !text.is_empty() {
                         let lp = s.logprobs.render(s.meta.endpoint, s.tokenizer.as_ref());
-                        return Some((Ok(s.meta.chunk(Some(&text), false, None, lp.as_ref())), s));
+                        let chunk = s.meta.chunk(Some(&text), false, None, lp.as_ref());
+                        let Some(role) = role else { return Some((Ok(chunk), s)) };
+                        s.tail.push(chunk);
+                        return Some((Ok(role), s));
+                    }
+                    if let Some(role) = role {
+                        return Some((Ok(role), s));
                     }
                 }
                 Some(Event::Finished {
@@ -321,12 +416,16 @@ fn sse_response(meta: ResponseMeta, stream: RequestStream, include_usage: bool, 
                     s.logprobs.extend(logprobs);
                     let lp = s.logprobs.render(s.meta.endpoint, s.tokenizer.as_ref());
                     s.done = true;
+                    // `tail` is popped from its end: pushed last, sent first.
                     s.tail.push(Bytes::from_static(sse::DONE));
                     if s.include_usage {
                         s.tail.push(s.meta.usage_chunk(Usage::new(prompt_tokens, completion_tokens, cached_tokens)));
                     }
                     let content = (!text.is_empty()).then_some(text.as_str());
-                    return Some((Ok(s.meta.chunk(content, false, Some(reason.as_str()), lp.as_ref())), s));
+                    let last = s.meta.chunk(content, false, Some(reason.as_str()), lp.as_ref());
+                    let Some(role) = s.role_chunk() else { return Some((Ok(last), s)) };
+                    s.tail.push(last);
+                    return Some((Ok(role), s));
                 }
                 None => {
                     s.done = true;

@@ -131,16 +131,112 @@ pub struct ChatRequest {
     pub messages: Option<Vec<Message>>,
 }
 
-/// Parse a JSON body into the endpoint's own fields and the shared ones, naming the
-/// offending field on error. (The two halves are read from one parsed tree rather than
-/// with `#[serde(flatten)]`, which loses the field path.)
-pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<(T, CommonParams), ApiError> {
+/// The fields [`CommonParams`] reads, plus `user` (OpenAI's end-user id, which changes no
+/// output).
+const COMMON_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "n",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "min_tokens",
+    "presence_penalty",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "top_logprobs",
+    "user",
+];
+
+/// OpenAI and vLLM request fields this engine knows of and does not implement: a request
+/// that sets one is refused, naming it, rather than answered as if it had not.
+const NOT_IMPLEMENTED: &[&str] = &[
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "logit_bias",
+    "best_of",
+    "suffix",
+    "echo",
+    "prompt_logprobs",
+    "audio",
+    "modalities",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+    "store",
+    "metadata",
+    "service_tier",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "lora_request",
+];
+
+/// `POST /tokenize` body (vLLM's).
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokenizeRequest {
+    /// Text to tokenize.
+    pub prompt: Option<String>,
+    /// Or a conversation, rendered with the chat template first.
+    pub messages: Option<Vec<Message>>,
+    /// Accepted for vLLM's clients; no special token is added either way.
+    pub add_special_tokens: Option<bool>,
+    /// Accepted; the template always ends with the assistant's turn opened.
+    pub add_generation_prompt: Option<bool>,
+    /// Also return each token's text.
+    pub return_token_strs: Option<bool>,
+}
+
+/// `POST /detokenize` body (vLLM's).
+#[derive(Debug, Clone, Deserialize)]
+pub struct DetokenizeRequest {
+    /// Token ids.
+    pub tokens: Option<Vec<i64>>,
+}
+
+/// Parse a JSON body into the endpoint's own fields (`fields`: their names) and the
+/// shared ones, naming the offending field on error. A field the engine does not
+/// implement, or does not know, is a 400 naming it, never ignored. (The two halves are
+/// read from one parsed tree rather than with `#[serde(flatten)]`, which loses the field
+/// path.)
+pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8], fields: &[&str]) -> Result<(T, CommonParams), ApiError> {
     let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| ApiError::InvalidRequest {
         param: None,
         message: format!("request body is not valid JSON: {e}"),
     })?;
-    if !value.is_object() {
+    let Some(object) = value.as_object() else {
         return Err(ApiError::InvalidRequest { param: None, message: "request body must be a JSON object".into() });
+    };
+    for key in object.keys() {
+        let key = key.as_str();
+        if fields.contains(&key) || COMMON_FIELDS.contains(&key) {
+            continue;
+        }
+        let message = if NOT_IMPLEMENTED.contains(&key) {
+            format!("{key} is not supported by this engine")
+        } else {
+            format!("Unrecognized request argument supplied: {key}")
+        };
+        return Err(ApiError::invalid(key.to_string(), message));
     }
     Ok((typed(&value)?, typed(&value)?))
 }
