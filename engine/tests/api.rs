@@ -445,11 +445,20 @@ async fn the_role_chunk_waits_for_the_first_token_and_unseeded_requests_differ()
         json!({"messages": [{"role": "user", "content": prompt_of(8000, "r")}], "max_tokens": 4, "stream": true});
     let mut resp = post(addr, "/v1/chat/completions", &body).await;
     let first = resp.next_event().await.expect("the role chunk");
-    // Read as soon as the first event arrived: the first token exists already.
-    let generated = metric(&scrape(addr).await, "vllm:generation_tokens_total");
+    // Read as soon as the first event arrived: the first token exists already (the engine
+    // observes TTFT before it hands a request its first token).
+    let first_tokens: f64 = scrape(addr)
+        .await
+        .iter()
+        .filter(|x| x.name == "vllm:time_to_first_token_seconds")
+        .map(|x| match x.value {
+            SeriesValue::Histogram { count, .. } => count,
+            SeriesValue::Scalar(_) => panic!("TTFT is a histogram"),
+        })
+        .sum();
     let v: serde_json::Value = serde_json::from_str(&first).unwrap();
     assert_eq!(v["choices"][0]["delta"]["role"], "assistant");
-    assert!(generated >= 1.0, "the role chunk left before any token ({generated} generated)");
+    assert_eq!(first_tokens, 1.0, "the role chunk left before the first token");
     let rest = resp.events().await;
     assert_eq!(rest.last().unwrap().1, "[DONE]");
 
