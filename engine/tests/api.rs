@@ -347,7 +347,7 @@ async fn bad_input_gets_a_400_or_404_naming_the_field() {
             400,
             "whole cache holds 128 tokens",
         ),
-        ("n > 1", "/v1/completions", br#"{"prompt":"a","n":2}"#.to_vec(), 400, "n must be 1"),
+        ("n over the limit", "/v1/completions", br#"{"prompt":"a","n":0}"#.to_vec(), 400, "n must be in 1..=16"),
         ("temperature", "/v1/completions", br#"{"prompt":"a","temperature":5}"#.to_vec(), 400, "temperature"),
         ("top_p", "/v1/completions", br#"{"prompt":"a","top_p":0}"#.to_vec(), 400, "top_p"),
         (
@@ -518,4 +518,84 @@ async fn tokenize_and_detokenize_answer_in_vllms_shapes() {
         let msg = v["error"]["message"].as_str().unwrap_or_else(|| panic!("{path}: not the OpenAI shape: {v}"));
         assert!(msg.contains(says), "{path}: {msg}");
     }
+}
+
+/// #22: `n` choices share the prompt's KV blocks (one prompt's blocks, not n), each samples
+/// on its own, streamed or not; `n` past the limit is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_share_the_prompts_blocks() {
+    let args = ["--sim-profile", "h100x4-llama3-70b", "--num-gpu-blocks-override", "2000"];
+    let addr = spawn_engine(&args).await;
+    // Whole: n=3 gives three different choices, the prompt counted once.
+    let r = post(addr, "/v1/completions", &json!({"prompt": "tell me", "max_tokens": 8, "ignore_eos": true, "n": 3}))
+        .await
+        .json()
+        .await;
+    let choices = r["choices"].as_array().unwrap();
+    assert_eq!(choices.iter().map(|c| c["index"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2]);
+    assert_ne!(choices[0]["text"], choices[1]["text"]);
+    assert_eq!(r["usage"]["completion_tokens"], 24);
+    // The same seed repeats every choice.
+    let seeded = json!({"prompt": "tell me", "max_tokens": 8, "ignore_eos": true, "n": 2, "seed": 11});
+    let (a, b) = (
+        post(addr, "/v1/completions", &seeded).await.json().await,
+        post(addr, "/v1/completions", &seeded).await.json().await,
+    );
+    assert_eq!(a["choices"], b["choices"]);
+    // Streamed chat: each choice opens with its role and ends with its finish reason; one
+    // [DONE] after all, the usage before it.
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "ignore_eos": true, "n": 2,
+                      "stream": true, "stream_options": {"include_usage": true}});
+    let events = post(addr, "/v1/chat/completions", &body).await.events().await;
+    assert_eq!(events.iter().filter(|(_, e)| e == "[DONE]").count(), 1);
+    assert_eq!(events.last().unwrap().1, "[DONE]");
+    let parsed: Vec<serde_json::Value> =
+        events.iter().filter(|(_, e)| e != "[DONE]").map(|(_, e)| serde_json::from_str(e).unwrap()).collect();
+    for i in 0..2 {
+        let mine: Vec<&serde_json::Value> = parsed
+            .iter()
+            .filter(|v| v["choices"].as_array().is_some_and(|c| !c.is_empty() && c[0]["index"] == i))
+            .collect();
+        assert_eq!(mine[0]["choices"][0]["delta"]["role"], "assistant", "choice {i} opens with its role");
+        assert_eq!(mine.last().unwrap()["choices"][0]["finish_reason"], "length");
+    }
+    assert_eq!(parsed.last().unwrap()["usage"]["completion_tokens"], 10);
+
+    // Memory: 4 choices of a 3,000-token prompt vs 4 requests with different prompts of
+    // that length, each caught while all 4 run.
+    let usage_while_4_run = async |bodies: Vec<serde_json::Value>, path: &'static str| {
+        let mut open = Vec::new();
+        for b in bodies {
+            open.push(tokio::spawn(async move { post(addr, path, &b).await.text().await }));
+        }
+        wait_for_metrics(addr, Duration::from_secs(20), "4 running", |s| metric(s, "vllm:num_requests_running") == 4.0)
+            .await;
+        let usage = metric(&scrape(addr).await, "vllm:kv_cache_usage_perc");
+        for o in open {
+            o.await.unwrap();
+        }
+        usage
+    };
+    let prompt = |salt: &str| prompt_of(3000, salt);
+    let shared = usage_while_4_run(
+        vec![json!({"prompt": prompt("n"), "max_tokens": 60, "ignore_eos": true, "n": 4})],
+        "/v1/completions",
+    )
+    .await;
+    let separate = usage_while_4_run(
+        ["a", "b", "c", "d"]
+            .iter()
+            .map(|s| json!({"prompt": prompt(s), "max_tokens": 60, "ignore_eos": true}))
+            .collect(),
+        "/v1/completions",
+    )
+    .await;
+    eprintln!(
+        "KV usage with 4 running: n=4 {shared:.4}, 4 separate requests {separate:.4} ({:.2}x)",
+        shared / separate
+    );
+    assert!(shared / separate < 0.4, "n=4 used {shared}, 4 requests {separate}");
+    let r = post(addr, "/v1/completions", &json!({"prompt": "a", "n": 17})).await;
+    assert_eq!(r.status, 400);
+    assert!(r.json().await["error"]["message"].as_str().unwrap().contains("n must be in 1..=16"));
 }

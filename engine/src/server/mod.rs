@@ -25,6 +25,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures_util::StreamExt;
 use prometheus::{Encoder, Registry, TextEncoder};
 use switchyard_shim::process::unix_secs;
 
@@ -221,6 +222,10 @@ struct Prepared {
     params: SamplingParams,
     stream: bool,
     include_usage: bool,
+    /// Choices asked for (`n`).
+    n: usize,
+    /// The request gave its `seed`: the choices' seeds follow from it.
+    seeded: bool,
 }
 
 impl AppState {
@@ -244,8 +249,11 @@ impl AppState {
             0 => rand::random(),
             fixed => fixed ^ splitmix64(id),
         };
+        let n = openai::choices(common)?;
         let params = openai::sampling_params(common, prompt.len(), prompt_field, self.limits, default_seed)?;
         Ok(Prepared {
+            n,
+            seeded: common.seed.is_some(),
             prompt,
             params,
             stream: common.stream.unwrap_or(false),
@@ -312,73 +320,164 @@ async fn execute(
         Err(e) => return e.into_response(),
     };
     let meta = ResponseMeta { id: response_id, created: unix_secs(), model: st.model.clone(), endpoint };
-    let stream = match st.engine.submit(id, p.prompt, p.params, arrival) {
+    let first = match st.engine.submit(id, p.prompt.clone(), p.params.clone(), arrival) {
         Ok(s) => s,
         Err(_) => return ApiError::Unavailable.into_response(),
     };
+    let choices = match fan_out(&st, first, &p, arrival).await {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
     if p.stream {
-        sse_response(meta, stream, p.include_usage, st.tokenizer.clone())
+        sse_response(meta, choices, p.include_usage, st.tokenizer.clone())
     } else {
-        collect_response(meta, stream, st.tokenizer.clone()).await
+        collect_response(meta, choices, st.tokenizer.clone()).await
     }
 }
 
-async fn collect_response(meta: ResponseMeta, mut stream: RequestStream, tok: Arc<dyn Tokenizer>) -> Response {
-    let mut text = String::new();
-    let mut logprobs = Logprobs::default();
-    while let Some(ev) = stream.next().await {
-        match ev {
-            Event::Token { text: t, logprobs: lp, .. } => {
-                text.push_str(&t);
-                logprobs.extend(lp);
-            }
-            Event::Finished {
-                text: t, reason, prompt_tokens, completion_tokens, cached_tokens, logprobs: lp, ..
-            } => {
-                text.push_str(&t);
-                logprobs.extend(lp);
-                let usage = Usage::new(prompt_tokens, completion_tokens, cached_tokens);
-                let lp = logprobs.render(meta.endpoint, tok.as_ref());
-                return Json(meta.response(&text, reason.as_str(), usage, lp.as_ref())).into_response();
+/// One choice's engine request, with an event already taken from it in front.
+struct Choice {
+    stream: RequestStream,
+    pending: Option<Event>,
+}
+
+impl Choice {
+    async fn next(&mut self) -> Option<Event> {
+        match self.pending.take() {
+            Some(ev) => Some(ev),
+            None => self.stream.next().await,
+        }
+    }
+}
+
+/// The requests behind `n` choices. With `n` > 1 the first runs alone until its first
+/// token — its prompt's full blocks are in the prefix cache by then — and the others start
+/// then: they share those blocks (the block pool's ref counts: one prompt's blocks, not
+/// `n`), compute only the prompt's last partial block again (a copy of their own), and
+/// sample with their own seeds (the request's `seed` + i when it gave one).
+async fn fan_out(
+    st: &AppState,
+    mut first: RequestStream,
+    p: &Prepared,
+    arrival: Instant,
+) -> Result<Vec<Choice>, ApiError> {
+    if p.n == 1 {
+        return Ok(vec![Choice { stream: first, pending: None }]);
+    }
+    let pending = Some(first.next().await.ok_or(ApiError::Unavailable)?);
+    let mut choices = vec![Choice { stream: first, pending }];
+    for i in 1..p.n as u64 {
+        let mut params = p.params.clone();
+        params.seed = if p.seeded { p.params.seed.wrapping_add(i) } else { rand::random() };
+        let id = st.next_id.fetch_add(1, Ordering::Relaxed);
+        let stream = st.engine.submit(id, p.prompt.clone(), params, arrival).map_err(|_| ApiError::Unavailable)?;
+        choices.push(Choice { stream, pending: None });
+    }
+    Ok(choices)
+}
+
+async fn collect_response(meta: ResponseMeta, mut choices: Vec<Choice>, tok: Arc<dyn Tokenizer>) -> Response {
+    let mut outs = Vec::with_capacity(choices.len());
+    let (mut prompt, mut completion, mut cached) = (0, 0, 0);
+    for (i, c) in choices.iter_mut().enumerate() {
+        let mut text = String::new();
+        let mut logprobs = Logprobs::default();
+        loop {
+            match c.next().await {
+                Some(Event::Token { text: t, logprobs: lp, .. }) => {
+                    text.push_str(&t);
+                    logprobs.extend(lp);
+                }
+                Some(Event::Finished {
+                    text: t,
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                    cached_tokens,
+                    logprobs: lp,
+                    ..
+                }) => {
+                    text.push_str(&t);
+                    logprobs.extend(lp);
+                    // The prompt counts once; every choice's tokens count.
+                    if i == 0 {
+                        (prompt, cached) = (prompt_tokens, cached_tokens);
+                    }
+                    completion += completion_tokens;
+                    let lp = logprobs.render(meta.endpoint, tok.as_ref());
+                    outs.push((text, reason.as_str(), lp));
+                    break;
+                }
+                None => return ApiError::Unavailable.into_response(),
             }
         }
     }
-    ApiError::Unavailable.into_response()
+    Json(meta.response(&outs, Usage::new(prompt, completion, cached))).into_response()
+}
+
+/// What a stream keeps per choice.
+#[derive(Default)]
+struct ChoiceState {
+    /// Log probabilities of tokens whose text is still held back.
+    logprobs: Logprobs,
+    /// A chat's `role` chunk was sent (with the choice's first generated token).
+    role_sent: bool,
+    finished: bool,
 }
 
 struct SseState {
     meta: ResponseMeta,
-    stream: RequestStream,
+    /// Every choice's events, tagged with its index, as they come.
+    events: futures_util::stream::SelectAll<futures_util::stream::BoxStream<'static, (u32, Event)>>,
+    choices: Vec<ChoiceState>,
     include_usage: bool,
     tokenizer: Arc<dyn Tokenizer>,
-    /// Log probabilities of tokens whose text is still held back.
-    logprobs: Logprobs,
-    /// A chat's `role` chunk is still to be sent (with the first generated token).
-    first: bool,
+    usage: Usage,
     /// Chunks still to send, popped from the end (the token after the role, usage, `[DONE]`).
     tail: Vec<Bytes>,
     done: bool,
 }
 
 impl SseState {
-    /// The `role` chunk, once, for a chat; `None` after it or for a completion.
-    fn role_chunk(&mut self) -> Option<Bytes> {
+    /// Choice `i`'s `role` chunk, once, for a chat; `None` after it or for a completion.
+    fn role_chunk(&mut self, i: u32) -> Option<Bytes> {
         let chat = self.meta.endpoint == Endpoint::Chat;
-        std::mem::replace(&mut self.first, false).then(|| chat.then(|| self.meta.chunk(Some(""), true, None, None)))?
+        let c = &mut self.choices[i as usize];
+        let first = !std::mem::replace(&mut c.role_sent, true);
+        (chat && first).then(|| self.meta.chunk(i, Some(""), true, None, None))
+    }
+
+    /// `chunk`, preceded by choice `i`'s role chunk when it is its first.
+    fn with_role(&mut self, i: u32, chunk: Option<Bytes>) -> Option<Bytes> {
+        match (self.role_chunk(i), chunk) {
+            (Some(role), Some(chunk)) => {
+                self.tail.push(chunk);
+                Some(role)
+            }
+            (role, chunk) => role.or(chunk),
+        }
     }
 }
 
-fn sse_response(meta: ResponseMeta, stream: RequestStream, include_usage: bool, tok: Arc<dyn Tokenizer>) -> Response {
+fn sse_response(meta: ResponseMeta, choices: Vec<Choice>, include_usage: bool, tok: Arc<dyn Tokenizer>) -> Response {
+    let n = choices.len();
+    let events = futures_util::stream::select_all((0u32..).zip(choices).map(|(i, c)| {
+        futures_util::stream::unfold(c, |mut c| async move { c.next().await.map(|ev| (ev, c)) })
+            .map(move |ev| (i, ev))
+            .boxed()
+    }));
     let state = SseState {
         meta,
-        stream,
+        events,
+        choices: (0..n).map(|_| ChoiceState::default()).collect(),
         include_usage,
         tokenizer: tok,
-        logprobs: Logprobs::default(),
-        first: true,
+        usage: Usage::new(0, 0, 0),
         tail: Vec::new(),
         done: false,
     };
+    // A chat's first chunk per choice (the `role` delta) leaves with its first generated
+    // token, as vLLM's does: a client timing the first event sees the prefill.
     let body = futures_util::stream::unfold(state, |mut s| async move {
         loop {
             if let Some(b) = s.tail.pop() {
@@ -387,45 +486,47 @@ fn sse_response(meta: ResponseMeta, stream: RequestStream, include_usage: bool, 
             if s.done {
                 return None;
             }
-            match s.stream.next().await {
-                Some(Event::Token { text, logprobs, .. }) => {
-                    s.logprobs.extend(logprobs);
-                    // A chat's first chunk (the `role` delta) leaves with the first generated
-                    // token, as vLLM's does: a client timing the first event sees the prefill.
-                    let role = s.role_chunk();
-                    if !text.is_empty() {
-                        let lp = s.logprobs.render(s.meta.endpoint, s.tokenizer.as_ref());
-                        let chunk = s.meta.chunk(Some(&text), false, None, lp.as_ref());
-                        let Some(role) = role else { return Some((Ok(chunk), s)) };
-                        s.tail.push(chunk);
-                        return Some((Ok(role), s));
-                    }
-                    if let Some(role) = role {
-                        return Some((Ok(role), s));
+            match s.events.next().await {
+                Some((i, Event::Token { text, logprobs, .. })) => {
+                    let c = &mut s.choices[i as usize];
+                    c.logprobs.extend(logprobs);
+                    let chunk = (!text.is_empty()).then(|| {
+                        let lp = c.logprobs.render(s.meta.endpoint, s.tokenizer.as_ref());
+                        s.meta.chunk(i, Some(&text), false, None, lp.as_ref())
+                    });
+                    if let Some(out) = s.with_role(i, chunk) {
+                        return Some((Ok(out), s));
                     }
                 }
-                Some(Event::Finished {
-                    text,
-                    reason,
-                    prompt_tokens,
-                    completion_tokens,
-                    cached_tokens,
-                    logprobs,
-                    ..
-                }) => {
-                    s.logprobs.extend(logprobs);
-                    let lp = s.logprobs.render(s.meta.endpoint, s.tokenizer.as_ref());
-                    s.done = true;
-                    // `tail` is popped from its end: pushed last, sent first.
-                    s.tail.push(Bytes::from_static(sse::DONE));
-                    if s.include_usage {
-                        s.tail.push(s.meta.usage_chunk(Usage::new(prompt_tokens, completion_tokens, cached_tokens)));
+                Some((
+                    i,
+                    Event::Finished { text, reason, prompt_tokens, completion_tokens, cached_tokens, logprobs, .. },
+                )) => {
+                    let c = &mut s.choices[i as usize];
+                    c.logprobs.extend(logprobs);
+                    c.finished = true;
+                    let lp = c.logprobs.render(s.meta.endpoint, s.tokenizer.as_ref());
+                    // The prompt counts once; every choice's tokens count.
+                    if i == 0 {
+                        s.usage = Usage::new(prompt_tokens, s.usage.completion_tokens, cached_tokens);
                     }
+                    s.usage = Usage::new(
+                        s.usage.prompt_tokens,
+                        s.usage.completion_tokens + completion_tokens,
+                        s.usage.prompt_tokens_details.cached_tokens,
+                    );
                     let content = (!text.is_empty()).then_some(text.as_str());
-                    let last = s.meta.chunk(content, false, Some(reason.as_str()), lp.as_ref());
-                    let Some(role) = s.role_chunk() else { return Some((Ok(last), s)) };
-                    s.tail.push(last);
-                    return Some((Ok(role), s));
+                    let last = s.meta.chunk(i, content, false, Some(reason.as_str()), lp.as_ref());
+                    if s.choices.iter().all(|c| c.finished) {
+                        s.done = true;
+                        // `tail` is popped from its end: pushed last, sent first.
+                        s.tail.push(Bytes::from_static(sse::DONE));
+                        if s.include_usage {
+                            s.tail.push(s.meta.usage_chunk(s.usage));
+                        }
+                    }
+                    let out = s.with_role(i, Some(last)).expect("a chunk");
+                    return Some((Ok(out), s));
                 }
                 None => {
                     s.done = true;

@@ -191,6 +191,18 @@ const NOT_IMPLEMENTED: &[&str] = &[
     "lora_request",
 ];
 
+/// Most choices one request may ask for (`n`).
+pub const MAX_N: i64 = 16;
+
+/// The choices a request asks for: `n`, 1 when absent, within 1..=[`MAX_N`].
+pub fn choices(c: &CommonParams) -> Result<usize, ApiError> {
+    match c.n {
+        None => Ok(1),
+        Some(n) if (1..=MAX_N).contains(&n) => Ok(n as usize),
+        Some(n) => Err(ApiError::invalid("n", format!("n must be in 1..={MAX_N}, got {n}"))),
+    }
+}
+
 /// `POST /tokenize` body (vLLM's).
 #[derive(Debug, Clone, Deserialize)]
 pub struct TokenizeRequest {
@@ -400,14 +412,6 @@ pub fn sampling_params(
     limits: Limits,
     default_seed: u64,
 ) -> Result<SamplingParams, ApiError> {
-    if let Some(n) = c.n {
-        if n != 1 {
-            return Err(ApiError::invalid(
-                "n",
-                format!("n must be 1 (several choices are not supported yet), got {n}"),
-            ));
-        }
-    }
     let logprobs = logprobs_request(c, prompt_field == "messages", limits.max_logprobs)?;
     let max_len = limits.max_model_len;
     if prompt_len >= max_len {

@@ -116,10 +116,11 @@ impl ResponseMeta {
         Envelope { id: &self.id, object, created: self.created, model: &self.model, choices, usage }
     }
 
-    /// One SSE event carrying `text` (chat: as `delta.content`; `role` on the first chunk)
-    /// and the log probabilities of its tokens ([`Logprobs::render`]).
+    /// One SSE event of choice `index` carrying `text` (chat: as `delta.content`; `role` on
+    /// the first chunk) and the log probabilities of its tokens ([`Logprobs::render`]).
     pub fn chunk(
         &self,
+        index: u32,
         text: Option<&str>,
         first: bool,
         finish_reason: Option<&str>,
@@ -128,11 +129,11 @@ impl ResponseMeta {
         let json = match self.endpoint {
             Endpoint::Chat => {
                 let delta = Delta { role: first.then_some("assistant"), content: text };
-                let choice = ChatChunkChoice { index: 0, delta, logprobs, finish_reason };
+                let choice = ChatChunkChoice { index, delta, logprobs, finish_reason };
                 serde_json::to_vec(&self.envelope("chat.completion.chunk", [choice], None))
             }
             Endpoint::Completions => {
-                let choice = TextChoice { index: 0, text: text.unwrap_or(""), logprobs, finish_reason };
+                let choice = TextChoice { index, text: text.unwrap_or(""), logprobs, finish_reason };
                 serde_json::to_vec(&self.envelope("text_completion", [choice], None))
             }
         };
@@ -149,21 +150,33 @@ impl ResponseMeta {
         sse_event(serde_json::to_vec(&self.envelope(object, choices, Some(usage))).expect("usage serializes"))
     }
 
-    /// A whole (non-streamed) response.
-    pub fn response(&self, text: &str, finish_reason: &str, usage: Usage, logprobs: Option<&Value>) -> Value {
+    /// A whole (non-streamed) response with one choice per entry of `choices` (text,
+    /// finish reason, log probabilities), indexed in order.
+    pub fn response(&self, choices: &[(String, &str, Option<Value>)], usage: Usage) -> Value {
         let v = match self.endpoint {
             Endpoint::Chat => {
-                let choice = ChatChoice {
-                    index: 0,
-                    message: ChatMessageOut { role: "assistant", content: text },
-                    logprobs,
-                    finish_reason,
-                };
-                serde_json::to_value(self.envelope("chat.completion", [choice], Some(usage)))
+                let choices: Vec<ChatChoice<'_>> = (0u32..)
+                    .zip(choices)
+                    .map(|(index, (text, finish_reason, logprobs))| ChatChoice {
+                        index,
+                        message: ChatMessageOut { role: "assistant", content: text },
+                        logprobs: logprobs.as_ref(),
+                        finish_reason,
+                    })
+                    .collect();
+                serde_json::to_value(self.envelope("chat.completion", choices, Some(usage)))
             }
             Endpoint::Completions => {
-                let choice = TextChoice { index: 0, text, logprobs, finish_reason: Some(finish_reason) };
-                serde_json::to_value(self.envelope("text_completion", [choice], Some(usage)))
+                let choices: Vec<TextChoice<'_>> = (0u32..)
+                    .zip(choices)
+                    .map(|(index, (text, finish_reason, logprobs))| TextChoice {
+                        index,
+                        text,
+                        logprobs: logprobs.as_ref(),
+                        finish_reason: Some(finish_reason),
+                    })
+                    .collect();
+                serde_json::to_value(self.envelope("text_completion", choices, Some(usage)))
             }
         };
         v.expect("response serializes")
