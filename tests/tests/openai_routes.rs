@@ -321,3 +321,38 @@ async fn adapters_loaded_behind_sidecars_draw_their_requests_too() {
     }
     assert_eq!((answered_for(&e1, "sql-lora"), answered_for(&e2, "sql-lora")), (0, 10));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sdk_sees_the_engines_choices_seeds_ids_and_prefill() {
+    // #22 through the gateway: two simulated A100s whose 8,000-token prefill takes ~1 s.
+    let engines: Vec<EngineProc> = (0..2)
+        .map(|_| EngineProc::start(&["--sim-profile", "a100-llama3-8b", "--max-num-batched-tokens", "512"]))
+        .collect();
+    let g = GatewayProc::start(
+        &GatewayConfigBuilder::new().backends(engines.iter().map(|e| e.url())).policy("round_robin"),
+    );
+    wait_scraped(&g, 2).await;
+    let python = workspace_root().join(".cache/openai-venv/bin/python");
+    assert!(python.exists(), "{} is missing: run scripts/setup.sh", python.display());
+    let out = tokio::process::Command::new(&python)
+        .arg(workspace_root().join("tests/openai_sdk_engine.py"))
+        .arg(format!("http://{}", g.addr))
+        .arg("meta-llama/Meta-Llama-3-8B-Instruct")
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "openai_sdk_engine.py failed:\n{stderr}");
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {stderr}"));
+    assert_eq!(r["n2"].as_array().unwrap().len(), 2, "{r}");
+    assert_ne!(r["n2"][0], r["n2"][1], "{r}");
+    assert_ne!(r["unseeded"][0], r["unseeded"][1], "{r}");
+    assert_eq!(r["seeded"][0], r["seeded"][1], "{r}");
+    let ids: std::collections::HashSet<&str> =
+        r["ids"].as_array().unwrap().iter().map(|i| i.as_str().unwrap()).collect();
+    assert_eq!(ids.len(), 8, "ids are unique across the two engines: {r}");
+    // The first event waits for the prefill (a lower bound: a busy machine only adds).
+    assert_eq!(r["first_role"], "assistant");
+    assert!(r["first_event_s"].as_f64().unwrap() > 0.3, "the first event came before the prefill: {r}");
+    assert_eq!(r["response_format"], json!({"status": 400, "param": "response_format"}), "{r}");
+}
