@@ -75,13 +75,15 @@ if ! { [ -x "$ENVOY" ] && [ "$(cat "$ENVOY_DIR/.version" 2>/dev/null)" = "$ENVOY
 fi
 
 # The official OpenAI Python SDK, the client of the OpenAI-routes test (tests/tests/openai_routes.rs
-# runs tests/openai_sdk.py with it), in its own virtualenv under .cache.
-OPENAI_SDK="openai==3.63.0"
+# runs tests/openai_sdk.py with it), in its own virtualenv under .cache, with `jsonschema` to
+# validate structured outputs against their schemas.
+OPENAI_SDK="openai==3.63.0 jsonschema==4.25.1"
 OPENAI_VENV="$PWD/.cache/openai-venv"
 if [ "$(cat "$OPENAI_VENV/.ready" 2>/dev/null)" != "$OPENAI_SDK" ]; then
   echo "setup: installing $OPENAI_SDK into .cache/openai-venv (pip)"
   rm -rf "$OPENAI_VENV"
   python3 -m venv "$OPENAI_VENV"
-  "$OPENAI_VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$OPENAI_SDK"
+  # shellcheck disable=SC2086 # two requirements, split on purpose
+  "$OPENAI_VENV/bin/python" -m pip install --quiet --disable-pip-version-check $OPENAI_SDK
   echo "$OPENAI_SDK" > "$OPENAI_VENV/.ready"
 fi

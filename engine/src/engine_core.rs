@@ -82,6 +82,7 @@ impl EngineCore {
         if plan.is_empty() {
             return Ok(None);
         }
+        self.scheduler.prepare_constraints(&plan);
         let out = {
             let batch = self.scheduler.batch(&plan);
             self.backend.execute(&batch)?

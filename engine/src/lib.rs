@@ -24,6 +24,7 @@ pub mod runtime;
 pub mod sampling;
 pub mod scheduler;
 pub mod server;
+pub mod structured;
 pub mod tokenizer;
 
 use std::future::{Future, IntoFuture};

@@ -192,7 +192,7 @@ impl OutputProcessor {
             let Some(req) = self.requests.get_mut(&o.id) else { continue };
             req.output.push(o.token);
             let mut finished = o.finished;
-            if finished != Some(FinishReason::Stop) {
+            if !o.stop_token {
                 req.text.push_token(self.tokenizer.as_ref(), &req.output);
                 if req.output.len() >= req.min_tokens && req.text.apply_stop(&req.stop) {
                     if finished.is_none() {
@@ -246,6 +246,7 @@ mod tests {
                 token: t.word_token(w),
                 logprobs: None,
                 finished: None,
+                stop_token: false,
                 prompt_tokens: 2,
                 completion_tokens: i + 1,
                 cached_tokens: 0,
@@ -292,6 +293,7 @@ mod tests {
             token: t.word_token(w),
             logprobs: None,
             finished,
+            stop_token: finished == Some(FinishReason::Stop),
             prompt_tokens: 3,
             completion_tokens: 1,
             cached_tokens: 2,
@@ -337,6 +339,7 @@ mod tests {
             token: t.word_token(w),
             logprobs: None,
             finished: None,
+            stop_token: false,
             prompt_tokens: 1,
             completion_tokens: n,
             cached_tokens: 0,

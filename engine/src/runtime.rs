@@ -26,6 +26,7 @@ use crate::engine_core::EngineCore;
 use crate::metrics::EngineMetrics;
 use crate::output_processor::{Event, OutputProcessor};
 use crate::scheduler::{Request, RequestId, SamplingParams};
+use crate::structured::Constraint;
 use crate::tokenizer::TokenId;
 
 enum Command {
@@ -78,16 +79,18 @@ impl Drop for RequestStream {
 pub struct EngineStopped;
 
 impl EngineHandle {
-    /// Queue a request; `arrival` is when it reached the server (TTFT counts from there).
+    /// Queue a request, its output following `constraint` when given; `arrival` is when it
+    /// reached the server (TTFT counts from there).
     pub fn submit(
         &self,
         id: RequestId,
         prompt: Vec<TokenId>,
         params: SamplingParams,
+        constraint: Option<Constraint>,
         arrival: Instant,
     ) -> Result<RequestStream, EngineStopped> {
         let (etx, erx) = unbounded_channel();
-        let req = Box::new(Request::new(id, prompt, params));
+        let req = Box::new(Request::new(id, prompt, params).with_constraint(constraint));
         self.tx.send(Command::Add { req, arrival, events: etx }).map_err(|_| EngineStopped)?;
         Ok(RequestStream { id, rx: erx, abort: Some(self.tx.clone()) })
     }

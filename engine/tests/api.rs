@@ -362,13 +362,39 @@ async fn bad_input_gets_a_400_or_404_naming_the_field() {
         ("stop wrong type", "/v1/completions", br#"{"prompt":"a","stop":7}"#.to_vec(), 400, "stop"),
         ("batched prompts", "/v1/completions", br#"{"prompt":["a","b"]}"#.to_vec(), 400, "batched"),
         // Fields the engine does not implement are refused by name, never ignored (#22).
+        // Structured output that cannot be compiled or is malformed (#22).
         (
-            "response_format",
+            "a schema of an unknown type",
             "/v1/chat/completions",
-            br#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_object"}}"#.to_vec(),
+            br#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{"type":"nonsense"}}}}"#.to_vec(),
             400,
-            "response_format is not supported",
+            "response_format: ",
         ),
+        (
+            "json_schema without a schema",
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_schema","json_schema":{"name":"x"}}}"#.to_vec(),
+            400,
+            "json_schema.schema",
+        ),
+        (
+            "an unknown response_format type",
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"yaml"}}"#.to_vec(),
+            400,
+            "response_format.type must be",
+        ),
+        ("a regex that does not parse", "/v1/completions", br#"{"prompt":"a","guided_regex":"(ab"}"#.to_vec(), 400, "guided_regex: "),
+        ("an empty choice", "/v1/completions", br#"{"prompt":"a","guided_choice":[]}"#.to_vec(), 400, "guided_choice must be"),
+        ("a schema that is not JSON", "/v1/completions", br#"{"prompt":"a","guided_json":"{nope"}"#.to_vec(), 400, "not a valid JSON Schema"),
+        (
+            "two kinds at once",
+            "/v1/completions",
+            br#"{"prompt":"a","guided_regex":"a","structured_outputs":{"choice":["b"]}}"#.to_vec(),
+            400,
+            "one kind of structured output",
+        ),
+        ("an unknown structured_outputs key", "/v1/completions", br#"{"prompt":"a","structured_outputs":{"xml":"a"}}"#.to_vec(), 400, "structured_outputs.xml"),
         (
             "tools",
             "/v1/chat/completions",
@@ -598,4 +624,57 @@ async fn n_choices_share_the_prompts_blocks() {
     let r = post(addr, "/v1/completions", &json!({"prompt": "a", "n": 17})).await;
     assert_eq!(r.status, 400);
     assert!(r.json().await["error"]["message"].as_str().unwrap().contains("n must be in 1..=16"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_follow_their_grammar_on_the_simulator() {
+    let addr = spawn_engine(&[]).await;
+    let schema = json!({"type": "object", "additionalProperties": false, "required": ["name", "age", "tags"],
+        "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0},
+                       "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b c"]}, "maxItems": 3}}});
+    let check = |text: &str| {
+        let v: serde_json::Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        let obj = v.as_object().unwrap();
+        assert_eq!(obj.len(), 3, "{v}");
+        assert!(v["name"].as_str().unwrap().chars().count() <= 40, "{v}");
+        assert!(v["age"].as_i64().unwrap() >= 0, "{v}");
+        let tags = v["tags"].as_array().unwrap();
+        assert!(tags.len() <= 3 && tags.iter().all(|t| t == "a" || t == "b c"), "{v}");
+    };
+    // 20 requests, each with its own seed: every output parses and follows the schema.
+    for seed in 0..20 {
+        let body = json!({"messages": [{"role": "user", "content": "a person"}], "max_tokens": 200, "seed": seed,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": true}}});
+        let r = post(addr, "/v1/chat/completions", &body).await.json().await;
+        assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+        check(r["choices"][0]["message"]["content"].as_str().unwrap());
+    }
+    // Streamed, n=3, vLLM's form: every choice's deltas join into a valid document.
+    let body = json!({"prompt": "x", "max_tokens": 200, "n": 3, "stream": true, "guided_json": schema.to_string()});
+    let events = post(addr, "/v1/completions", &body).await.events().await;
+    let mut texts = vec![String::new(); 3];
+    for (_, e) in events.iter().filter(|(_, e)| e != "[DONE]") {
+        let v: serde_json::Value = serde_json::from_str(e).unwrap();
+        let c = &v["choices"][0];
+        texts[c["index"].as_u64().unwrap() as usize].push_str(c["text"].as_str().unwrap_or(""));
+    }
+    texts.iter().for_each(|t| check(t));
+    // Any JSON object; a choice; a regex; a grammar.
+    let one = async |extra: serde_json::Value| {
+        let mut body = json!({"prompt": "x", "max_tokens": 100});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let r = post(addr, "/v1/completions", &body).await.json().await;
+        r["choices"][0]["text"].as_str().unwrap_or_else(|| panic!("{r}")).to_string()
+    };
+    let obj = one(json!({"response_format": {"type": "json_object"}})).await;
+    assert!(serde_json::from_str::<serde_json::Value>(&obj).unwrap().is_object(), "{obj}");
+    let pick = one(json!({"structured_outputs": {"choice": ["red", "green (dark)"]}})).await;
+    assert!(pick == "red" || pick == "green (dark)", "{pick:?}");
+    let mail = one(json!({"guided_regex": "[a-z]{2,8}@example\\.(com|org)"})).await;
+    let (user, domain) = mail.split_once('@').unwrap_or_else(|| panic!("{mail:?}"));
+    assert!((2..=8).contains(&user.len()) && user.chars().all(|c| c.is_ascii_lowercase()), "{mail:?}");
+    assert!(domain == "example.com" || domain == "example.org", "{mail:?}");
+    let sum = one(json!({"guided_grammar": "start: n \"+\" n\nn: /[0-9]{1,3}/"})).await;
+    let parts: Vec<&str> = sum.split('+').collect();
+    assert!(parts.len() == 2 && parts.iter().all(|p| p.parse::<u32>().is_ok()), "{sum:?}");
 }

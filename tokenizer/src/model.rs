@@ -19,6 +19,7 @@ use serde_json::{json, Value as Json};
 
 use crate::gguf::{GgufError, Header, Value};
 use crate::pieces::{Piece, PieceCache, PieceSplitter, MIN_CACHED_BYTES};
+use crate::vocab::Scheme;
 use crate::{ChatMessage, TokenId};
 
 /// Why a tokenizer cannot be built or used.
@@ -258,6 +259,24 @@ impl ModelTokenizer {
     /// The end-of-sequence token.
     pub fn eos_token_id(&self) -> TokenId {
         self.eos
+    }
+
+    /// Every token's bytes, by id ([`crate::vocab`]): what constrained decoding matches
+    /// grammars against. Special tokens start with [`crate::vocab::SPECIAL_MARKER`].
+    pub fn token_bytes(&self) -> Vec<Vec<u8>> {
+        use tokenizers::DecoderWrapper;
+        let scheme = match self.inner.get_decoder() {
+            Some(DecoderWrapper::ByteLevel(_)) => Scheme::ByteLevel,
+            Some(DecoderWrapper::Sequence(seq)) if format!("{seq:?}").contains("ByteLevel") => Scheme::ByteLevel,
+            _ => Scheme::Metaspace,
+        };
+        let added = self.inner.get_added_tokens_decoder();
+        crate::vocab::token_bytes(
+            self.vocab_len(),
+            scheme,
+            |id| self.inner.id_to_token(id),
+            |id| added.get(&id).map(|t| t.special),
+        )
     }
 }
 

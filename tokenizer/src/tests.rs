@@ -117,3 +117,18 @@ fn the_default_model_file_loads_by_its_path() {
     let text = t.render(&user("Hi")).unwrap();
     assert!(text.ends_with("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"), "{text:?}");
 }
+
+#[test]
+fn every_tokens_bytes_spell_the_text_it_encodes() {
+    let t = default_model();
+    let bytes = t.token_bytes();
+    assert_eq!(bytes.len(), t.vocab_len());
+    for text in ["Hello, world!\n", "  {\"name\": \"café ✓\", \"n\": 2024}", "日本語のテキスト\t\r\n", "a\u{1F600}b"]
+    {
+        let ids = t.encode(text);
+        let spelled: Vec<u8> = ids.iter().flat_map(|&id| bytes[id as usize].clone()).collect();
+        assert_eq!(spelled, text.as_bytes(), "{text:?} → {ids:?}");
+    }
+    let special = t.encode("<|im_start|>")[0];
+    assert_eq!(bytes[special as usize][0], crate::vocab::SPECIAL_MARKER);
+}

@@ -170,8 +170,14 @@ impl Backend for CpuBackend {
                 .map(|(s, mut l)| {
                     // Log probabilities come from the raw distribution, so keep it when asked.
                     let raw = s.params.logprobs.map(|n| (l.clone(), n));
-                    if let (false, Some(e)) = (s.eos_allowed, l.get_mut(self.eos as usize)) {
-                        *e = f32::NEG_INFINITY;
+                    match s.allowed {
+                        // The grammar decides which tokens, EOS included, may come next.
+                        Some(mask) => crate::structured::apply_mask(mask, &mut l),
+                        None => {
+                            if let (false, Some(e)) = (s.eos_allowed, l.get_mut(self.eos as usize)) {
+                                *e = f32::NEG_INFINITY;
+                            }
+                        }
                     }
                     let output = &s.tokens[s.tokens.len().saturating_sub(s.num_output_tokens)..];
                     penalize(&mut l, s.params, s.tokens, output);

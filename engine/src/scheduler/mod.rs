@@ -104,6 +104,9 @@ pub struct SeqView<'a> {
     pub num_output_tokens: usize,
     /// Whether EOS may be sampled now (`ignore_eos`, `min_tokens`).
     pub eos_allowed: bool,
+    /// The only tokens its grammar allows now (structured output; see
+    /// [`Scheduler::prepare_constraints`]). The grammar decides about EOS then.
+    pub allowed: Option<&'a toktrie::SimpleVob>,
 }
 
 /// One token a backend generated for a request.
@@ -140,8 +143,11 @@ pub struct TokenOutput {
     /// Its log probabilities, when asked for.
     pub logprobs: Option<TokenLogprobs>,
     /// Set when the scheduler ended the request with this token — EOS or a stop token id
-    /// (`Stop`), `max_tokens` or the context length (`Length`); its blocks are free already.
+    /// (`Stop`), a completed grammar (`Stop`), `max_tokens` or the context length
+    /// (`Length`); its blocks are free already.
     pub finished: Option<FinishReason>,
+    /// The token is EOS or a stop token id that ended the request: not part of the text.
+    pub stop_token: bool,
     /// Prompt tokens.
     pub prompt_tokens: usize,
     /// Tokens generated so far, this one included.
@@ -366,9 +372,20 @@ impl Scheduler {
                     params: &r.params,
                     num_output_tokens: r.num_output_tokens(),
                     eos_allowed: r.eos_allowed(),
+                    allowed: r.constraint.as_ref().filter(|_| s.sample).and_then(|c| c.mask()),
                 }
             })
             .collect()
+    }
+
+    /// Compute the allowed tokens of every constrained request that samples in `plan`
+    /// (before [`Self::batch`]).
+    pub fn prepare_constraints(&mut self, plan: &StepPlan) {
+        for s in plan.seqs.iter().filter(|s| s.sample) {
+            if let Some(c) = self.requests.get_mut(&s.id).and_then(|r| r.constraint.as_mut()) {
+                c.prepare();
+            }
+        }
     }
 
     /// Apply a computed step: advance progress, cache full blocks, append `sampled`
@@ -386,7 +403,14 @@ impl Scheduler {
                 self.stats.prompt_tokens += req.num_prompt_tokens as u64;
             }
             self.stats.generation_tokens += 1;
-            let finished = req.append_token(token, self.eos, self.cfg.max_model_len);
+            let mut finished = req.append_token(token, self.eos, self.cfg.max_model_len);
+            let stop_token = finished == Some(FinishReason::Stop);
+            // A complete grammar ends the request, whatever `ignore_eos` says.
+            if let Some(c) = req.constraint.as_mut().filter(|_| finished.is_none()) {
+                if c.accept(token) {
+                    finished = Some(FinishReason::Stop);
+                }
+            }
             let (prompt_tokens, completion_tokens) = (req.num_prompt_tokens, req.num_output_tokens());
             let cached_tokens = req.num_cached_tokens;
             if finished.is_some() {
@@ -400,6 +424,7 @@ impl Scheduler {
                 token,
                 logprobs,
                 finished,
+                stop_token,
                 prompt_tokens,
                 completion_tokens,
                 cached_tokens,

@@ -3,6 +3,7 @@
 //! the [`KvCacheManager`](crate::kv::KvCacheManager)'s; its text and stop strings the
 //! [output processor's](crate::output_processor).
 
+use crate::structured::Constraint;
 use crate::tokenizer::TokenId;
 
 /// Engine-wide request id.
@@ -103,6 +104,8 @@ pub struct Request {
     pub num_preemptions: u32,
     /// Prompt tokens served from the prefix cache at its (last) admission.
     pub num_cached_tokens: usize,
+    /// The grammar its output must follow (structured output), if any.
+    pub constraint: Option<Constraint>,
 }
 
 impl Request {
@@ -116,7 +119,14 @@ impl Request {
             params,
             num_preemptions: 0,
             num_cached_tokens: 0,
+            constraint: None,
         }
+    }
+
+    /// The same request, its output constrained by `constraint`.
+    pub fn with_constraint(mut self, constraint: Option<Constraint>) -> Self {
+        self.constraint = constraint;
+        self
     }
 
     /// Generated tokens so far.

@@ -34,6 +34,7 @@ use crate::error::ApiError;
 use crate::output_processor::Event;
 use crate::runtime::{EngineHandle, RequestStream};
 use crate::scheduler::SamplingParams;
+use crate::structured::{Constraint, Grammars, GuidedSpec};
 use crate::tokenizer::{TokenId, Tokenizer};
 use openai::{Limits, PromptInput};
 use sse::{Endpoint, Logprobs, ResponseMeta, Usage};
@@ -59,6 +60,8 @@ pub struct AppState {
     pub failed: tokio::sync::watch::Receiver<Option<String>>,
     next_id: AtomicU64,
     started: u64,
+    /// The model's grammar compiler, built on the first structured-output request.
+    grammars: std::sync::OnceLock<Result<Grammars, String>>,
 }
 
 impl AppState {
@@ -82,6 +85,7 @@ impl AppState {
             failed,
             next_id: AtomicU64::new(1),
             started: unix_secs(),
+            grammars: std::sync::OnceLock::new(),
         }
     }
 }
@@ -224,6 +228,8 @@ struct Prepared {
     include_usage: bool,
     /// Choices asked for (`n`).
     n: usize,
+    /// The grammar every choice's output follows (structured output).
+    constraint: Option<Constraint>,
     /// The request gave its `seed`: the choices' seeds follow from it.
     seeded: bool,
 }
@@ -234,6 +240,15 @@ impl AppState {
             Some(m) if m != &self.model => Err(ApiError::ModelNotFound(m.clone())),
             _ => Ok(()),
         }
+    }
+
+    /// Compile `spec` (from request field `field`) with the model's vocabulary.
+    fn compile(&self, field: &str, spec: &GuidedSpec) -> Result<Constraint, ApiError> {
+        let grammars = self.grammars.get_or_init(|| Grammars::new(self.tokenizer.clone()));
+        let grammars = grammars.as_ref().map_err(|e| {
+            ApiError::invalid(field, format!("{field}: this model's vocabulary cannot be used for grammars: {e}"))
+        })?;
+        grammars.compile(spec).map_err(|e| ApiError::invalid(field, format!("{field}: {e}")))
     }
 
     fn prepare(
@@ -251,8 +266,13 @@ impl AppState {
         };
         let n = openai::choices(common)?;
         let params = openai::sampling_params(common, prompt.len(), prompt_field, self.limits, default_seed)?;
+        let constraint = match openai::guided_spec(common)? {
+            None => None,
+            Some((field, spec)) => Some(self.compile(&field, &spec)?),
+        };
         Ok(Prepared {
             n,
+            constraint,
             seeded: common.seed.is_some(),
             prompt,
             params,
@@ -320,7 +340,7 @@ async fn execute(
         Err(e) => return e.into_response(),
     };
     let meta = ResponseMeta { id: response_id, created: unix_secs(), model: st.model.clone(), endpoint };
-    let first = match st.engine.submit(id, p.prompt.clone(), p.params.clone(), arrival) {
+    let first = match st.engine.submit(id, p.prompt.clone(), p.params.clone(), p.constraint.clone(), arrival) {
         Ok(s) => s,
         Err(_) => return ApiError::Unavailable.into_response(),
     };
@@ -370,7 +390,10 @@ async fn fan_out(
         let mut params = p.params.clone();
         params.seed = if p.seeded { p.params.seed.wrapping_add(i) } else { rand::random() };
         let id = st.next_id.fetch_add(1, Ordering::Relaxed);
-        let stream = st.engine.submit(id, p.prompt.clone(), params, arrival).map_err(|_| ApiError::Unavailable)?;
+        let stream = st
+            .engine
+            .submit(id, p.prompt.clone(), params, p.constraint.clone(), arrival)
+            .map_err(|_| ApiError::Unavailable)?;
         choices.push(Choice { stream, pending: None });
     }
     Ok(choices)

@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 use crate::error::ApiError;
 use crate::scheduler::SamplingParams;
+use crate::structured::GuidedSpec;
 use crate::tokenizer::{ChatMessage, TokenId};
 
 /// `prompt` of `/v1/completions`: text, a one-element batch, or token ids.
@@ -86,6 +87,19 @@ pub struct CommonParams {
     pub logprobs: Option<serde_json::Value>,
     /// Chat: how many top log probabilities per token.
     pub top_logprobs: Option<serde_json::Value>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`.
+    pub response_format: Option<serde_json::Value>,
+    /// vLLM: a JSON Schema (object or JSON text) the output must follow.
+    pub guided_json: Option<serde_json::Value>,
+    /// vLLM: a regex the output must match.
+    pub guided_regex: Option<serde_json::Value>,
+    /// vLLM: the output is one of these strings.
+    pub guided_choice: Option<serde_json::Value>,
+    /// vLLM: a grammar (llguidance's Lark dialect) the output must follow.
+    pub guided_grammar: Option<serde_json::Value>,
+    /// vLLM's newer form of the four above: `{"json" | "regex" | "choice" | "grammar" |
+    /// "json_object": ...}`.
+    pub structured_outputs: Option<serde_json::Value>,
 }
 
 /// `POST /v1/completions` body.
@@ -154,23 +168,23 @@ const COMMON_FIELDS: &[&str] = &[
     "frequency_penalty",
     "logprobs",
     "top_logprobs",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
     "user",
 ];
 
 /// OpenAI and vLLM request fields this engine knows of and does not implement: a request
 /// that sets one is refused, naming it, rather than answered as if it had not.
 const NOT_IMPLEMENTED: &[&str] = &[
-    "response_format",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
     "functions",
     "function_call",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
     "logit_bias",
     "best_of",
     "suffix",
@@ -201,6 +215,102 @@ pub fn choices(c: &CommonParams) -> Result<usize, ApiError> {
         Some(n) if (1..=MAX_N).contains(&n) => Ok(n as usize),
         Some(n) => Err(ApiError::invalid("n", format!("n must be in 1..={MAX_N}, got {n}"))),
     }
+}
+
+/// What structured output a request asks for, from whichever of `response_format`,
+/// `guided_*` and `structured_outputs` it sets (at most one). Shapes are checked here;
+/// whether the grammar compiles is the engine's [`crate::structured::Grammars::compile`].
+pub fn guided_spec(c: &CommonParams) -> Result<Option<(String, GuidedSpec)>, ApiError> {
+    use serde_json::Value;
+    let mut found: Vec<(String, GuidedSpec)> = Vec::new();
+    // A JSON Schema given as an object, or as JSON text (vLLM accepts both).
+    let schema = |field: &str, v: &Value| -> Result<GuidedSpec, ApiError> {
+        let v = match v {
+            Value::String(text) => serde_json::from_str(text)
+                .map_err(|e| ApiError::invalid(field, format!("{field} is not a valid JSON Schema document: {e}")))?,
+            v => v.clone(),
+        };
+        match v {
+            Value::Object(_) | Value::Bool(true) => Ok(GuidedSpec::JsonSchema(v)),
+            _ => Err(ApiError::invalid(field, format!("{field} must be a JSON Schema object"))),
+        }
+    };
+    let text = |field: &str, v: &Value| -> Result<String, ApiError> {
+        v.as_str()
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .ok_or_else(|| ApiError::invalid(field, format!("{field} must be a non-empty string")))
+    };
+    let choice = |field: &str, v: &Value| -> Result<GuidedSpec, ApiError> {
+        let bad = || ApiError::invalid(field, format!("{field} must be a non-empty list of non-empty strings"));
+        let list = v.as_array().filter(|a| !a.is_empty()).ok_or_else(bad)?;
+        let strings = list.iter().map(|c| c.as_str().filter(|s| !s.is_empty()).map(str::to_owned));
+        Ok(GuidedSpec::Choice(strings.collect::<Option<Vec<_>>>().ok_or_else(bad)?))
+    };
+    if let Some(rf) = c.response_format.as_ref().filter(|v| !v.is_null()) {
+        let kind = rf.get("type").and_then(Value::as_str);
+        match kind {
+            Some("text") => {}
+            Some("json_object") => found.push(("response_format".into(), GuidedSpec::JsonObject)),
+            Some("json_schema") => {
+                let field = "response_format.json_schema.schema";
+                let s = rf.get("json_schema").and_then(|j| j.get("schema")).ok_or_else(|| {
+                    ApiError::invalid(field, "response_format of type json_schema needs json_schema.schema")
+                })?;
+                found.push(("response_format".into(), schema(field, s)?));
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "response_format.type",
+                    format!("response_format.type must be text, json_object or json_schema, got {}", rf["type"]),
+                ))
+            }
+        }
+    }
+    let set = |v: &Option<Value>| v.clone().filter(|v| !v.is_null());
+    if let Some(v) = set(&c.guided_json) {
+        found.push(("guided_json".into(), schema("guided_json", &v)?));
+    }
+    if let Some(v) = set(&c.guided_regex) {
+        found.push(("guided_regex".into(), GuidedSpec::Regex(text("guided_regex", &v)?)));
+    }
+    if let Some(v) = set(&c.guided_choice) {
+        found.push(("guided_choice".into(), choice("guided_choice", &v)?));
+    }
+    if let Some(v) = set(&c.guided_grammar) {
+        found.push(("guided_grammar".into(), GuidedSpec::Grammar(text("guided_grammar", &v)?)));
+    }
+    if let Some(v) = set(&c.structured_outputs) {
+        let obj = v
+            .as_object()
+            .ok_or_else(|| ApiError::invalid("structured_outputs", "structured_outputs must be an object"))?;
+        for (key, v) in obj.iter().filter(|(_, v)| !v.is_null()) {
+            let field = format!("structured_outputs.{key}");
+            let spec = match key.as_str() {
+                "json" => schema(&field, v)?,
+                "regex" => GuidedSpec::Regex(text(&field, v)?),
+                "choice" => choice(&field, v)?,
+                "grammar" => GuidedSpec::Grammar(text(&field, v)?),
+                "json_object" if v == &Value::Bool(true) => GuidedSpec::JsonObject,
+                "json_object" => continue,
+                _ => {
+                    return Err(ApiError::invalid(
+                        field.clone(),
+                        format!("{field}: supported are json, regex, choice, grammar and json_object"),
+                    ))
+                }
+            };
+            found.push(("structured_outputs".into(), spec));
+        }
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|(f, _)| f.as_str()).collect();
+        return Err(ApiError::invalid(
+            found[1].0.clone(),
+            format!("give one kind of structured output per request, got {}", names.join(" and ")),
+        ));
+    }
+    Ok(found.pop())
 }
 
 /// `POST /tokenize` body (vLLM's).

@@ -24,6 +24,10 @@ pub trait Tokenizer: Send + Sync {
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
         Ok(render_chatml(messages))
     }
+    /// Every token's bytes, by id (special tokens start with
+    /// [`switchyard_tokenizer::vocab::SPECIAL_MARKER`]): what constrained decoding matches
+    /// grammars against.
+    fn token_bytes(&self) -> Vec<Vec<u8>>;
     /// Ids below this are valid inputs (`None`: any id is, as for the simulator).
     fn vocab_size(&self) -> Option<usize> {
         None
@@ -45,6 +49,10 @@ impl Tokenizer for ModelTokenizer {
 
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
         self.render(messages).map_err(|e| e.to_string())
+    }
+
+    fn token_bytes(&self) -> Vec<Vec<u8>> {
+        ModelTokenizer::token_bytes(self)
     }
 
     fn vocab_size(&self) -> Option<usize> {

@@ -7,8 +7,10 @@
 //!
 //! Ids: `0` is end-of-sequence, `1..=WORDS.len()` are the words the simulator generates
 //! (so generated text re-tokenizes to the same ids, and multi-turn prefixes hit the cache),
-//! everything else is a 32-bit hash of the piece above [`SimTokenizer::HASH_BASE`].
-//! Hashed ids do not decode back to text; the simulator never generates them.
+//! `BYTE_BASE..BYTE_BASE + 256` are single bytes (what constrained decoding spells JSON
+//! with; a prompt's ASCII punctuation uses them too), everything else is a 32-bit hash of
+//! the piece above [`SimTokenizer::HASH_BASE`]. Hashed ids do not decode back to text; the
+//! simulator never generates them.
 
 use std::collections::HashMap;
 
@@ -50,6 +52,8 @@ impl SimTokenizer {
     pub const HASH_BASE: TokenId = 1 << 16;
     /// End of sequence.
     pub const EOS: TokenId = 0;
+    /// Id of byte 0; bytes are `BYTE_BASE..BYTE_BASE + 256`.
+    pub const BYTE_BASE: TokenId = 1024;
 
     /// Build the word table.
     pub fn new() -> Self {
@@ -66,6 +70,11 @@ impl SimTokenizer {
     }
 
     fn piece_id(&self, piece: &str) -> TokenId {
+        if let [b] = piece.as_bytes() {
+            if !b.is_ascii_alphanumeric() {
+                return Self::BYTE_BASE + TokenId::from(*b);
+            }
+        }
         let bare = piece.strip_prefix(' ').unwrap_or(piece);
         if piece.starts_with(' ') {
             if let Some(&id) = self.word_ids.get(bare) {
@@ -110,18 +119,31 @@ impl Tokenizer for SimTokenizer {
     }
 
     fn decode(&self, ids: &[TokenId]) -> String {
-        let mut s = String::new();
+        let mut s = Vec::new();
         for &id in ids {
             match id {
                 Self::EOS => {}
                 id if (id as usize) <= WORDS.len() => {
-                    s.push(' ');
-                    s.push_str(WORDS[id as usize - 1]);
+                    s.push(b' ');
+                    s.extend_from_slice(WORDS[id as usize - 1].as_bytes());
                 }
-                _ => s.push('\u{FFFD}'),
+                id if (Self::BYTE_BASE..Self::BYTE_BASE + 256).contains(&id) => s.push((id - Self::BYTE_BASE) as u8),
+                _ => s.extend_from_slice("\u{FFFD}".as_bytes()),
             }
         }
-        s
+        String::from_utf8_lossy(&s).into_owned()
+    }
+
+    fn token_bytes(&self) -> Vec<Vec<u8>> {
+        let mut bytes = vec![Vec::new(); Self::BYTE_BASE as usize + 256];
+        bytes[Self::EOS as usize] = b"\xFF<eos>".to_vec();
+        for (i, w) in WORDS.iter().enumerate() {
+            bytes[i + 1] = format!(" {w}").into_bytes();
+        }
+        for b in 0..=255u8 {
+            bytes[(Self::BYTE_BASE + TokenId::from(b)) as usize] = vec![b];
+        }
+        bytes
     }
 
     fn eos_token_id(&self) -> TokenId {
@@ -143,6 +165,16 @@ mod tests {
         // generated words are single tokens whatever their length
         assert_eq!(t.encode(" world").len(), 1);
         assert!(t.encode("héllo ✓").len() >= 4, "non-ASCII characters are single tokens");
+    }
+
+    #[test]
+    fn ascii_punctuation_is_byte_tokens_that_round_trip() {
+        let t = SimTokenizer::new();
+        assert_eq!(t.encode("{"), vec![SimTokenizer::BYTE_BASE + u32::from(b'{')]);
+        assert_eq!(t.decode(&t.encode("{\": [ ]}")), "{\": [ ]}");
+        let bytes = t.token_bytes();
+        assert_eq!(bytes[t.encode(" the")[0] as usize], b" the");
+        assert_eq!(bytes[t.encode("{")[0] as usize], b"{");
     }
 
     #[test]

@@ -12,6 +12,12 @@
 //!
 //! With a real model's tokenizer (`--tokenizer`), the words are that tokenizer's ids of the
 //! same words ([`SimBackend::with_tokenizer`]) and EOS is its end-of-sequence token.
+//!
+//! Structured output: when a grammar constrains the request, the token is drawn among those
+//! it allows ([`SimBackend::constrained_token`]): the position's word when allowed, else
+//! another word, a letter, digit or punctuation; now and then, and always after
+//! [`WRAP_UP_AFTER`] tokens, a token that closes what is open (end, `"`, `]`, `}`, `,`), so
+//! the output completes well within `max_tokens`.
 
 pub mod calibration;
 pub mod profiles;
@@ -26,6 +32,15 @@ pub use roofline::{kv_cache_blocks, step_time, StepShape};
 /// Mean generated length when EOS is allowed.
 pub const EOS_ONE_IN: u64 = 200;
 
+/// Output position after which a constrained request closes what is open.
+pub const WRAP_UP_AFTER: usize = 24;
+
+/// Closers, in the order they are preferred when wrapping up (EOS comes first): what ends
+/// a JSON string, array or object, then punctuation that moves a pattern along.
+const CLOSERS: &[&str] = &["\"", "]", "}", ",", "@", ".", "-", ":", "/", "_", " "];
+/// Single characters a constrained request may spell with.
+const SPELLING: &str = "abcdefghijklmnopqrstuvwxyz0123456789 .-_:";
+
 /// The simulated backend.
 #[derive(Debug, Clone)]
 pub struct SimBackend {
@@ -33,6 +48,20 @@ pub struct SimBackend {
     /// The ids of the words it generates.
     words: Vec<TokenId>,
     eos: TokenId,
+    /// EOS and the closers' ids, preferred when a constrained request wraps up.
+    closers: Vec<TokenId>,
+    /// Single-character tokens ([`SPELLING`]) for constrained requests.
+    spelling: Vec<TokenId>,
+}
+
+/// The ids of `texts` that are single tokens under `one`.
+fn single_tokens<'a>(texts: impl Iterator<Item = &'a str>, one: impl Fn(&str) -> Vec<TokenId>) -> Vec<TokenId> {
+    texts
+        .filter_map(|t| match one(t).as_slice() {
+            [id] => Some(*id),
+            _ => None,
+        })
+        .collect()
 }
 
 impl SimBackend {
@@ -40,7 +69,12 @@ impl SimBackend {
     pub fn new(profile: SimProfile) -> Self {
         let sim = SimTokenizer::new();
         let words = (0..WORDS.len() as u64).map(|i| sim.word_token(i)).collect();
-        SimBackend { profile, words, eos: SimTokenizer::EOS }
+        // The simulator's tokenizer hashes letters in prompts; its byte tokens spell them.
+        let byte = |t: &str| t.bytes().map(|b| SimTokenizer::BYTE_BASE + TokenId::from(b)).collect();
+        let eos = SimTokenizer::EOS;
+        let closers = [eos].into_iter().chain(single_tokens(CLOSERS.iter().copied(), byte)).collect();
+        let spelling = single_tokens(SPELLING.split("").filter(|c| !c.is_empty()), byte);
+        SimBackend { profile, words, eos, closers, spelling }
     }
 
     /// A backend generating the same words as `tokenizer` encodes them (each word's first
@@ -53,7 +87,31 @@ impl SimBackend {
         if words.is_empty() {
             return SimBackend::new(profile);
         }
-        SimBackend { profile, words, eos }
+        let encode = |t: &str| tokenizer.encode(t);
+        let closers = [eos].into_iter().chain(single_tokens(CLOSERS.iter().copied(), encode)).collect();
+        let spelling = single_tokens(SPELLING.split("").filter(|c| !c.is_empty()), encode);
+        SimBackend { profile, words, eos, closers, spelling }
+    }
+
+    /// The token generated at output position `pos` for `seed` under a grammar that allows
+    /// only `allowed` (see the module documentation).
+    pub fn constrained_token(&self, seed: u64, pos: usize, allowed: &toktrie::SimpleVob) -> TokenId {
+        let r = splitmix64(seed ^ splitmix64(pos as u64 + 1));
+        let ok = |t: &TokenId| (*t as usize) < allowed.len() && allowed.is_allowed(*t);
+        if pos >= WRAP_UP_AFTER || r.is_multiple_of(5) {
+            if let Some(&t) = self.closers.iter().find(|t| ok(t)) {
+                return t;
+            }
+        }
+        // From a seeded offset: the position's word first, then the next allowed one.
+        let from = |list: &[TokenId]| {
+            let start = ((r >> 8) % list.len().max(1) as u64) as usize;
+            list.iter().cycle().skip(start).take(list.len()).find(|t| ok(t)).copied()
+        };
+        from(&self.words)
+            .or_else(|| from(&self.spelling))
+            .or_else(|| allowed.first_bit_set().map(|t| t as TokenId))
+            .unwrap_or(self.eos)
     }
 
     /// The token generated at output position `pos` for `seed`.
@@ -75,7 +133,10 @@ impl Backend for SimBackend {
             .filter(|s| s.sched.sample)
             .map(|s| Sampled {
                 id: s.sched.id,
-                token: self.token_at(s.params.seed, s.num_output_tokens, s.eos_allowed),
+                token: match s.allowed {
+                    Some(mask) => self.constrained_token(s.params.seed, s.num_output_tokens, mask),
+                    None => self.token_at(s.params.seed, s.num_output_tokens, s.eos_allowed),
+                },
                 // A timing model has no distribution; the server refuses `logprobs` for it.
                 logprobs: None,
             })
