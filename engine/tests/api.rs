@@ -396,12 +396,34 @@ async fn bad_input_gets_a_400_or_404_naming_the_field() {
         ),
         ("an unknown structured_outputs key", "/v1/completions", br#"{"prompt":"a","structured_outputs":{"xml":"a"}}"#.to_vec(), 400, "structured_outputs.xml"),
         (
-            "tools",
+            "no tools",
             "/v1/chat/completions",
             br#"{"messages":[{"role":"user","content":"hi"}],"tools":[]}"#.to_vec(),
             400,
-            "tools is not supported",
+            "tools must not be empty",
         ),
+        (
+            "an unknown tool",
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":{"type":"function","function":{"name":"g"}}}"#.to_vec(),
+            400,
+            "\"g\", which is not among the tools",
+        ),
+        (
+            "auto without a template that renders tools",
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#.to_vec(),
+            400,
+            "needs a chat template that renders tools",
+        ),
+        (
+            "a tool call forced under response_format",
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"required","response_format":{"type":"json_object"}}"#.to_vec(),
+            400,
+            "cannot both constrain",
+        ),
+        ("deprecated functions", "/v1/chat/completions", br#"{"messages":[{"role":"user","content":"hi"}],"functions":[]}"#.to_vec(), 400, "functions is not supported"),
         ("an unknown field", "/v1/completions", br#"{"prompt":"a","tempreature":0.5}"#.to_vec(), 400, "tempreature"),
         (
             "a chat's field on completions",
@@ -677,4 +699,60 @@ async fn structured_outputs_follow_their_grammar_on_the_simulator() {
     let sum = one(json!({"guided_grammar": "start: n \"+\" n\nn: /[0-9]{1,3}/"})).await;
     let parts: Vec<&str> = sum.split('+').collect();
     assert!(parts.len() == 2 && parts.iter().all(|p| p.parse::<u32>().is_ok()), "{sum:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forced_tool_calls_come_back_as_tool_calls_on_the_simulator() {
+    let addr = spawn_engine(&[]).await;
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": false}}}, {"type": "function", "function": {"name": "now"}}]);
+    let valid = |name: &str, args: &str| {
+        let a: serde_json::Value = serde_json::from_str(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        if name == "get_weather" {
+            assert!(a["city"].as_str().unwrap().chars().count() <= 20 && (a["unit"] == "c" || a["unit"] == "f"), "{a}");
+        } else {
+            assert_eq!(name, "now");
+            assert!(a.is_object(), "{a}");
+        }
+    };
+    // Earlier turns with calls and their results are accepted.
+    let messages = json!([{"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\":\"Oslo\",\"unit\":\"c\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "-3"}, {"role": "user", "content": "and Rome?"}]);
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    for seed in 0..5 {
+        let body = json!({"messages": messages, "tools": tools, "tool_choice": named, "seed": seed, "max_tokens": 100});
+        let r = post(addr, "/v1/chat/completions", &body).await.json().await;
+        let m = &r["choices"][0]["message"];
+        assert!(m["content"].is_null(), "{r}");
+        let call = &m["tool_calls"][0];
+        assert_eq!((call["type"].as_str(), call["function"]["name"].as_str()), (Some("function"), Some("get_weather")));
+        assert!(call["id"].as_str().unwrap().starts_with("chatcmpl-tool-"), "{r}");
+        valid("get_weather", call["function"]["arguments"].as_str().unwrap());
+        assert_eq!(r["choices"][0]["finish_reason"], "stop", "a named call finishes as OpenAI's do: {r}");
+    }
+    for seed in 0..5 {
+        let body =
+            json!({"messages": messages, "tools": tools, "tool_choice": "required", "seed": seed, "max_tokens": 200});
+        let r = post(addr, "/v1/chat/completions", &body).await.json().await;
+        let call = &r["choices"][0]["message"]["tool_calls"][0]["function"];
+        valid(call["name"].as_str().unwrap(), call["arguments"].as_str().unwrap());
+        assert_eq!(r["choices"][0]["finish_reason"], "tool_calls", "{r}");
+    }
+    // Streamed: the first delta names the call, the arguments follow in pieces.
+    let body = json!({"messages": messages, "tools": tools, "tool_choice": named, "stream": true, "max_tokens": 100});
+    let events = post(addr, "/v1/chat/completions", &body).await.events().await;
+    let (mut name, mut args, mut ids) = (String::new(), String::new(), 0);
+    for (_, e) in events.iter().filter(|(_, e)| e != "[DONE]") {
+        let v: serde_json::Value = serde_json::from_str(e).unwrap();
+        for d in v["choices"][0]["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            ids += usize::from(d["id"].is_string());
+            name.push_str(d["function"]["name"].as_str().unwrap_or(""));
+            args.push_str(d["function"]["arguments"].as_str().unwrap_or(""));
+        }
+    }
+    assert_eq!((name.as_str(), ids), ("get_weather", 1));
+    valid("get_weather", &args);
 }

@@ -74,6 +74,8 @@ pub struct ModelTokenizer {
     bos_text: String,
     eos_text: String,
     template: Option<minijinja::Environment<'static>>,
+    /// The template reads `tools` (it can put function definitions in the prompt).
+    template_tools: bool,
     /// How text is cut at added tokens (`None`: some added token does not match plainly).
     pieces: Option<PieceSplitter>,
 }
@@ -162,7 +164,8 @@ impl ModelTokenizer {
             return Err(meta_err("tokenizer.ggml.eos_token_id", format!("{eos} is outside the vocabulary")));
         }
         let pieces = splitter(&inner);
-        Ok(Self { inner, eos, bos_text, eos_text: tokens[eos as usize].to_string(), template, pieces })
+        let template_tools = h.get("tokenizer.chat_template").and_then(Value::as_str).is_some_and(reads_tools);
+        Ok(Self { inner, eos, bos_text, eos_text: tokens[eos as usize].to_string(), template, template_tools, pieces })
     }
 
     /// Build from an HF `tokenizer.json` document, with the special tokens and template of
@@ -182,7 +185,17 @@ impl ModelTokenizer {
         let template =
             config.and_then(|c| c.get("chat_template")).and_then(Json::as_str).map(compile_template).transpose()?;
         let pieces = splitter(&inner);
-        Ok(Self { inner, eos, bos_text: special("bos_token").unwrap_or_default(), eos_text, template, pieces })
+        let template_tools =
+            config.and_then(|c| c.get("chat_template")).and_then(Json::as_str).is_some_and(reads_tools);
+        Ok(Self {
+            inner,
+            eos,
+            bos_text: special("bos_token").unwrap_or_default(),
+            eos_text,
+            template,
+            template_tools,
+            pieces,
+        })
     }
 
     /// Render a conversation with the model's chat template and a generation prompt
@@ -200,6 +213,29 @@ impl ModelTokenizer {
             eos_token => self.eos_text,
         })
         .map_err(|e| TokenizerError::Template(describe(&e)))
+    }
+
+    /// Render messages given as JSON objects (`role`, `content`, `tool_calls`,
+    /// `tool_call_id`…) with `tools` (OpenAI's list of function definitions) through the
+    /// model's template; only for a template that reads `tools` ([`Self::renders_tools`]).
+    pub fn render_with_tools(&self, messages: &[Json], tools: &Json) -> Result<String, TokenizerError> {
+        let (Some(env), true) = (&self.template, self.template_tools) else {
+            return Err(TokenizerError::Template("this model's chat template does not render tools".into()));
+        };
+        let tmpl = env.get_template("chat").map_err(|e| TokenizerError::Template(e.to_string()))?;
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            tools => tools,
+            add_generation_prompt => true,
+            bos_token => self.bos_text,
+            eos_token => self.eos_text,
+        })
+        .map_err(|e| TokenizerError::Template(describe(&e)))
+    }
+
+    /// Whether the chat template puts `tools` in the prompt.
+    pub fn renders_tools(&self) -> bool {
+        self.template_tools
     }
 
     /// Number of tokens in the vocabulary, added tokens included.
@@ -298,6 +334,11 @@ fn describe(e: &minijinja::Error) -> String {
         src = inner.source();
     }
     s
+}
+
+/// Whether a template's source reads a `tools` variable.
+fn reads_tools(source: &str) -> bool {
+    source.split(|c: char| !(c.is_alphanumeric() || c == '_')).any(|w| w == "tools")
 }
 
 fn compile_template(source: &str) -> Result<minijinja::Environment<'static>, TokenizerError> {

@@ -132,3 +132,24 @@ fn every_tokens_bytes_spell_the_text_it_encodes() {
     let special = t.encode("<|im_start|>")[0];
     assert_eq!(bytes[special as usize][0], crate::vocab::SPECIAL_MARKER);
 }
+
+#[test]
+fn a_template_that_reads_tools_renders_them_and_earlier_calls() {
+    let config = r#"{"eos_token": "<eos>", "chat_template": "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}{% endif %}{% for m in messages %}<{{ m.role }}>{% if m.tool_calls %}{% for c in m.tool_calls %}call {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}<a>"}"#;
+    let dir = hf_dir("tools", Some(config));
+    let t = load(&dir).unwrap();
+    assert!(t.renders_tools());
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "get_weather"}}]);
+    let messages = [
+        serde_json::json!({"role": "user", "content": "hi"}),
+        serde_json::json!({"role": "assistant", "content": null,
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}),
+    ];
+    let text = t.render_with_tools(&messages, &tools).unwrap();
+    assert_eq!(text, r#"<tools>get_weather <user>hi<assistant>call get_weather {"city":"Oslo"}<a>"#);
+    // The plain template of the other tests does not read tools: refused, not ignored.
+    let plain = load(&hf_dir("no-tools", Some(CONFIG))).unwrap();
+    assert!(!plain.renders_tools());
+    assert!(plain.render_with_tools(&messages, &tools).is_err());
+    std::fs::remove_dir_all(dir).unwrap();
+}

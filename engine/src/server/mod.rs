@@ -14,6 +14,7 @@
 
 pub mod openai;
 pub mod sse;
+pub mod tools;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -33,11 +34,12 @@ use crate::backend::sim::splitmix64;
 use crate::error::ApiError;
 use crate::output_processor::Event;
 use crate::runtime::{EngineHandle, RequestStream};
-use crate::scheduler::SamplingParams;
+use crate::scheduler::{FinishReason, SamplingParams};
 use crate::structured::{Constraint, Grammars, GuidedSpec};
 use crate::tokenizer::{TokenId, Tokenizer};
 use openai::{Limits, PromptInput};
-use sse::{Endpoint, Logprobs, ResponseMeta, Usage};
+use sse::{ChoiceOut, Endpoint, Logprobs, ResponseMeta, Usage};
+use tools::{ToolMode, Tools};
 
 /// Largest request body accepted (a 1 MiB prompt with room to spare).
 pub const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
@@ -230,6 +232,8 @@ struct Prepared {
     n: usize,
     /// The grammar every choice's output follows (structured output).
     constraint: Option<Constraint>,
+    /// The request's tools, when its output may hold calls.
+    tools: Option<Arc<Tools>>,
     /// The request gave its `seed`: the choices' seeds follow from it.
     seeded: bool,
 }
@@ -273,6 +277,7 @@ impl AppState {
         Ok(Prepared {
             n,
             constraint,
+            tools: None,
             seeded: common.seed.is_some(),
             prompt,
             params,
@@ -311,12 +316,39 @@ async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Respo
     let arrival = Instant::now();
     let id = st.next_id.fetch_add(1, Ordering::Relaxed);
     let prepared = (|| {
-        let (req, common): (openai::ChatRequest, _) = openai::parse_body(&body, &["messages"])?;
+        let (req, common): (openai::ChatRequest, _) = openai::parse_body(&body, openai::CHAT_FIELDS)?;
         st.check_model(&common.model)?;
+        let tools = tools::parse(req.tools.as_ref(), req.tool_choice.as_ref())?;
+        let raw = if tools.is_some() { req.messages.clone() } else { None };
         let messages = openai::chat_messages(req.messages)?;
-        let text = st.tokenizer.render_chat(&messages).map_err(|e| ApiError::invalid("messages", e))?;
-        let prompt = st.tokenizer.encode(&text);
-        st.prepare(&common, prompt, "messages", id)
+        let text = match &tools {
+            Some(t) if st.tokenizer.renders_tools() => {
+                let json = openai::template_messages(raw.as_deref().unwrap_or_default(), &messages);
+                st.tokenizer.render_chat_with_tools(&json, &t.list)
+            }
+            Some(t) if t.mode == ToolMode::Auto => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "tool_choice auto (the default with tools) needs a chat template that renders tools, and this \
+                     model's does not: name a function in tool_choice, or use \"required\" (the call is then written \
+                     under a grammar)",
+                ))
+            }
+            _ => st.tokenizer.render_chat(&messages),
+        };
+        let prompt = st.tokenizer.encode(&text.map_err(|e| ApiError::invalid("messages", e))?);
+        let mut p = st.prepare(&common, prompt, "messages", id)?;
+        if let Some(spec) = tools.as_ref().and_then(Tools::guided) {
+            if p.constraint.is_some() {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "a forced tool call and response_format (or guided_*) cannot both constrain the output",
+                ));
+            }
+            p.constraint = Some(st.compile("tool_choice", &spec)?);
+        }
+        p.tools = tools.filter(|t| t.mode != ToolMode::None).map(Arc::new);
+        Ok(p)
     })();
     execute(st, prepared, Endpoint::Chat, response_id("chatcmpl"), id, arrival).await
 }
@@ -349,9 +381,9 @@ async fn execute(
         Err(e) => return e.into_response(),
     };
     if p.stream {
-        sse_response(meta, choices, p.include_usage, st.tokenizer.clone())
+        sse_response(meta, choices, p.include_usage, st.tokenizer.clone(), p.tools.clone())
     } else {
-        collect_response(meta, choices, st.tokenizer.clone()).await
+        collect_response(meta, choices, st.tokenizer.clone(), p.tools.as_deref()).await
     }
 }
 
@@ -399,7 +431,21 @@ async fn fan_out(
     Ok(choices)
 }
 
-async fn collect_response(meta: ResponseMeta, mut choices: Vec<Choice>, tok: Arc<dyn Tokenizer>) -> Response {
+/// A finished choice's finish reason with tools: `tool_calls` when the model (`auto`,
+/// `required`) made calls; a named call is `stop`, as OpenAI's; `length` stays.
+fn tool_finish(tools: &Tools, reason: FinishReason, made_calls: bool) -> &'static str {
+    match (reason, made_calls, &tools.mode) {
+        (FinishReason::Stop, true, ToolMode::Auto | ToolMode::Required) => "tool_calls",
+        _ => reason.as_str(),
+    }
+}
+
+async fn collect_response(
+    meta: ResponseMeta,
+    mut choices: Vec<Choice>,
+    tok: Arc<dyn Tokenizer>,
+    tools: Option<&Tools>,
+) -> Response {
     let mut outs = Vec::with_capacity(choices.len());
     let (mut prompt, mut completion, mut cached) = (0, 0, 0);
     for (i, c) in choices.iter_mut().enumerate() {
@@ -428,7 +474,24 @@ async fn collect_response(meta: ResponseMeta, mut choices: Vec<Choice>, tok: Arc
                     }
                     completion += completion_tokens;
                     let lp = logprobs.render(meta.endpoint, tok.as_ref());
-                    outs.push((text, reason.as_str(), lp));
+                    let out = match tools {
+                        None => ChoiceOut {
+                            text: Some(text),
+                            finish_reason: reason.as_str(),
+                            logprobs: lp,
+                            tool_calls: None,
+                        },
+                        Some(t) => {
+                            let (content, calls) = t.extract(&text);
+                            ChoiceOut {
+                                text: content,
+                                finish_reason: tool_finish(t, reason, !calls.is_empty()),
+                                logprobs: lp,
+                                tool_calls: (!calls.is_empty()).then(|| tools::calls_json(&calls)),
+                            }
+                        }
+                    };
+                    outs.push(out);
                     break;
                 }
                 None => return ApiError::Unavailable.into_response(),
@@ -446,6 +509,12 @@ struct ChoiceState {
     /// A chat's `role` chunk was sent (with the choice's first generated token).
     role_sent: bool,
     finished: bool,
+    /// `auto` tools: content passes, calls are held.
+    hermes: tools::HermesStream,
+    /// `required` tools: the whole call, held to the end.
+    held: String,
+    /// A named call's first delta (id, name) was sent.
+    call_opened: bool,
 }
 
 struct SseState {
@@ -455,6 +524,8 @@ struct SseState {
     choices: Vec<ChoiceState>,
     include_usage: bool,
     tokenizer: Arc<dyn Tokenizer>,
+    /// The request's tools, when its output may hold calls.
+    tools: Option<Arc<Tools>>,
     usage: Usage,
     /// Chunks still to send, popped from the end (the token after the role, usage, `[DONE]`).
     tail: Vec<Bytes>,
@@ -470,6 +541,55 @@ impl SseState {
         (chat && first).then(|| self.meta.chunk(i, Some(""), true, None, None))
     }
 
+    /// Choice `i`'s new `text` as content and `tool_calls` deltas (see [`tools`]); `end`:
+    /// its last text. Without tools the text is the content.
+    fn split_calls(&mut self, i: u32, text: &str, end: bool) -> (Option<String>, Option<serde_json::Value>) {
+        let Some(t) = self.tools.clone() else {
+            return ((!text.is_empty()).then(|| text.to_string()), None);
+        };
+        let c = &mut self.choices[i as usize];
+        let opened = |calls: &[tools::ToolCall]| -> serde_json::Value {
+            (0..)
+                .zip(calls)
+                .map(|(j, call): (u32, _)| {
+                    serde_json::json!({"index": j, "id": tools::call_id(), "type": "function",
+                                       "function": {"name": call.name, "arguments": call.arguments}})
+                })
+                .collect()
+        };
+        let nonempty = |s: String| (!s.is_empty()).then_some(s);
+        match &t.mode {
+            ToolMode::None => (nonempty(text.to_string()), None),
+            ToolMode::Named(name) => {
+                if text.is_empty() && (c.call_opened || !end) {
+                    return (None, None);
+                }
+                if std::mem::replace(&mut c.call_opened, true) {
+                    (None, Some(serde_json::json!([{"index": 0, "function": {"arguments": text}}])))
+                } else {
+                    (None, Some(opened(&[tools::ToolCall { name: name.clone(), arguments: text.to_string() }])))
+                }
+            }
+            ToolMode::Required => {
+                c.held.push_str(text);
+                if !end {
+                    return (None, None);
+                }
+                let (content, calls) = t.extract(&std::mem::take(&mut c.held));
+                (content, (!calls.is_empty()).then(|| opened(&calls)))
+            }
+            ToolMode::Auto => {
+                let mut content = c.hermes.push(text);
+                if !end {
+                    return (nonempty(content), None);
+                }
+                let (rest, calls) = c.hermes.finish();
+                content.push_str(&rest);
+                (nonempty(content), (!calls.is_empty()).then(|| opened(&calls)))
+            }
+        }
+    }
+
     /// `chunk`, preceded by choice `i`'s role chunk when it is its first.
     fn with_role(&mut self, i: u32, chunk: Option<Bytes>) -> Option<Bytes> {
         match (self.role_chunk(i), chunk) {
@@ -482,7 +602,13 @@ impl SseState {
     }
 }
 
-fn sse_response(meta: ResponseMeta, choices: Vec<Choice>, include_usage: bool, tok: Arc<dyn Tokenizer>) -> Response {
+fn sse_response(
+    meta: ResponseMeta,
+    choices: Vec<Choice>,
+    include_usage: bool,
+    tok: Arc<dyn Tokenizer>,
+    tools: Option<Arc<Tools>>,
+) -> Response {
     let n = choices.len();
     let events = futures_util::stream::select_all((0u32..).zip(choices).map(|(i, c)| {
         futures_util::stream::unfold(c, |mut c| async move { c.next().await.map(|ev| (ev, c)) })
@@ -495,6 +621,7 @@ fn sse_response(meta: ResponseMeta, choices: Vec<Choice>, include_usage: bool, t
         choices: (0..n).map(|_| ChoiceState::default()).collect(),
         include_usage,
         tokenizer: tok,
+        tools,
         usage: Usage::new(0, 0, 0),
         tail: Vec::new(),
         done: false,
@@ -511,11 +638,12 @@ fn sse_response(meta: ResponseMeta, choices: Vec<Choice>, include_usage: bool, t
             }
             match s.events.next().await {
                 Some((i, Event::Token { text, logprobs, .. })) => {
+                    let (content, calls) = s.split_calls(i, &text, false);
                     let c = &mut s.choices[i as usize];
                     c.logprobs.extend(logprobs);
-                    let chunk = (!text.is_empty()).then(|| {
+                    let chunk = (content.is_some() || calls.is_some()).then(|| {
                         let lp = c.logprobs.render(s.meta.endpoint, s.tokenizer.as_ref());
-                        s.meta.chunk(i, Some(&text), false, None, lp.as_ref())
+                        s.meta.chunk_with_calls(i, content.as_deref(), calls.as_ref(), false, None, lp.as_ref())
                     });
                     if let Some(out) = s.with_role(i, chunk) {
                         return Some((Ok(out), s));
@@ -525,6 +653,11 @@ fn sse_response(meta: ResponseMeta, choices: Vec<Choice>, include_usage: bool, t
                     i,
                     Event::Finished { text, reason, prompt_tokens, completion_tokens, cached_tokens, logprobs, .. },
                 )) => {
+                    let (content, calls) = s.split_calls(i, &text, true);
+                    let finish = match &s.tools {
+                        Some(t) => tool_finish(t, reason, calls.is_some()),
+                        None => reason.as_str(),
+                    };
                     let c = &mut s.choices[i as usize];
                     c.logprobs.extend(logprobs);
                     c.finished = true;
@@ -538,8 +671,14 @@ fn sse_response(meta: ResponseMeta, choices: Vec<Choice>, include_usage: bool, t
                         s.usage.completion_tokens + completion_tokens,
                         s.usage.prompt_tokens_details.cached_tokens,
                     );
-                    let content = (!text.is_empty()).then_some(text.as_str());
-                    let last = s.meta.chunk(i, content, false, Some(reason.as_str()), lp.as_ref());
+                    let last = s.meta.chunk_with_calls(
+                        i,
+                        content.as_deref(),
+                        calls.as_ref(),
+                        false,
+                        Some(finish),
+                        lp.as_ref(),
+                    );
                     if s.choices.iter().all(|c| c.finished) {
                         s.done = true;
                         // `tail` is popped from its end: pushed last, sent first.

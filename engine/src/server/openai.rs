@@ -136,6 +136,12 @@ pub struct Message {
     pub role: String,
     /// Content (may be null for assistant messages).
     pub content: Option<Content>,
+    /// An assistant's calls: `[{"id", "type": "function", "function": {"name", "arguments"}}]`.
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` message answers this call.
+    pub tool_call_id: Option<String>,
+    /// Name of the participant or function.
+    pub name: Option<String>,
 }
 
 /// `POST /v1/chat/completions` body.
@@ -143,7 +149,16 @@ pub struct Message {
 pub struct ChatRequest {
     /// The conversation.
     pub messages: Option<Vec<Message>>,
+    /// Function definitions (see [`super::tools`]).
+    pub tools: Option<serde_json::Value>,
+    /// `none`, `auto`, `required` or a named function.
+    pub tool_choice: Option<serde_json::Value>,
+    /// Accepted; a forced call is one call, `auto` returns every call the model writes.
+    pub parallel_tool_calls: Option<bool>,
 }
+
+/// The fields of [`ChatRequest`].
+pub const CHAT_FIELDS: &[&str] = &["messages", "tools", "tool_choice", "parallel_tool_calls"];
 
 /// The fields [`CommonParams`] reads, plus `user` (OpenAI's end-user id, which changes no
 /// output).
@@ -180,9 +195,6 @@ const COMMON_FIELDS: &[&str] = &[
 /// OpenAI and vLLM request fields this engine knows of and does not implement: a request
 /// that sets one is refused, naming it, rather than answered as if it had not.
 const NOT_IMPLEMENTED: &[&str] = &[
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
     "functions",
     "function_call",
     "logit_bias",
@@ -411,7 +423,55 @@ pub fn chat_messages(messages: Option<Vec<Message>>) -> Result<Vec<ChatMessage>,
                     s
                 }
             };
+            // A template without tools support sees earlier calls as the Hermes blocks a
+            // model writes them in (what the `auto` parser reads back).
+            let mut content = content;
+            for call in m.tool_calls.iter().flatten() {
+                let f = &call["function"];
+                let arguments = match &f["arguments"] {
+                    serde_json::Value::String(s) => serde_json::from_str(s).unwrap_or(serde_json::json!(s)),
+                    other => other.clone(),
+                };
+                let block = serde_json::json!({"name": f["name"], "arguments": arguments});
+                content.push_str(&format!("<tool_call>\n{block}\n</tool_call>"));
+            }
             Ok(ChatMessage { role: m.role, content })
+        })
+        .collect()
+}
+
+/// The conversation as JSON message objects for a template that renders tools: content
+/// flattened to text, calls' `arguments` given as objects (what such templates `tojson`).
+pub fn template_messages(messages: &[Message], flat: &[ChatMessage]) -> Vec<serde_json::Value> {
+    use serde_json::{json, Value};
+    messages
+        .iter()
+        .zip(flat)
+        .map(|(m, f)| {
+            let mut v =
+                json!({"role": m.role, "content": if m.tool_calls.is_some() { Value::Null } else { json!(f.content) }});
+            if let Some(calls) = &m.tool_calls {
+                let calls: Vec<Value> = calls
+                    .iter()
+                    .map(|c| {
+                        let mut c = c.clone();
+                        if let Some(Value::String(a)) = c.pointer("/function/arguments") {
+                            if let Ok(obj) = serde_json::from_str::<Value>(a) {
+                                c["function"]["arguments"] = obj;
+                            }
+                        }
+                        c
+                    })
+                    .collect();
+                v["tool_calls"] = json!(calls);
+            }
+            if let Some(id) = &m.tool_call_id {
+                v["tool_call_id"] = json!(id);
+            }
+            if let Some(name) = &m.name {
+                v["name"] = json!(name);
+            }
+            v
         })
         .collect()
 }

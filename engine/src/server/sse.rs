@@ -55,6 +55,8 @@ struct Delta<'a> {
     role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<&'a Value>,
 }
 
 #[derive(Serialize)]
@@ -76,7 +78,22 @@ struct TextChoice<'a> {
 #[derive(Serialize)]
 struct ChatMessageOut<'a> {
     role: &'static str,
-    content: &'a str,
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<&'a Value>,
+}
+
+/// One choice of a whole response.
+#[derive(Debug, Clone)]
+pub struct ChoiceOut {
+    /// Its text (chat: the message content; `None` for a message of tool calls only).
+    pub text: Option<String>,
+    /// `stop`, `length`, `tool_calls`…
+    pub finish_reason: &'static str,
+    /// Rendered log probabilities.
+    pub logprobs: Option<Value>,
+    /// Chat: the message's `tool_calls`.
+    pub tool_calls: Option<Value>,
 }
 
 #[derive(Serialize)]
@@ -126,9 +143,22 @@ impl ResponseMeta {
         finish_reason: Option<&str>,
         logprobs: Option<&Value>,
     ) -> Bytes {
+        self.chunk_with_calls(index, text, None, first, finish_reason, logprobs)
+    }
+
+    /// [`Self::chunk`] with a chat delta's `tool_calls` entries.
+    pub fn chunk_with_calls(
+        &self,
+        index: u32,
+        text: Option<&str>,
+        tool_calls: Option<&Value>,
+        first: bool,
+        finish_reason: Option<&str>,
+        logprobs: Option<&Value>,
+    ) -> Bytes {
         let json = match self.endpoint {
             Endpoint::Chat => {
-                let delta = Delta { role: first.then_some("assistant"), content: text };
+                let delta = Delta { role: first.then_some("assistant"), content: text, tool_calls };
                 let choice = ChatChunkChoice { index, delta, logprobs, finish_reason };
                 serde_json::to_vec(&self.envelope("chat.completion.chunk", [choice], None))
             }
@@ -150,18 +180,22 @@ impl ResponseMeta {
         sse_event(serde_json::to_vec(&self.envelope(object, choices, Some(usage))).expect("usage serializes"))
     }
 
-    /// A whole (non-streamed) response with one choice per entry of `choices` (text,
-    /// finish reason, log probabilities), indexed in order.
-    pub fn response(&self, choices: &[(String, &str, Option<Value>)], usage: Usage) -> Value {
+    /// A whole (non-streamed) response with one choice per entry of `choices`, indexed in
+    /// order.
+    pub fn response(&self, choices: &[ChoiceOut], usage: Usage) -> Value {
         let v = match self.endpoint {
             Endpoint::Chat => {
                 let choices: Vec<ChatChoice<'_>> = (0u32..)
                     .zip(choices)
-                    .map(|(index, (text, finish_reason, logprobs))| ChatChoice {
+                    .map(|(index, c)| ChatChoice {
                         index,
-                        message: ChatMessageOut { role: "assistant", content: text },
-                        logprobs: logprobs.as_ref(),
-                        finish_reason,
+                        message: ChatMessageOut {
+                            role: "assistant",
+                            content: c.text.as_deref(),
+                            tool_calls: c.tool_calls.as_ref(),
+                        },
+                        logprobs: c.logprobs.as_ref(),
+                        finish_reason: c.finish_reason,
                     })
                     .collect();
                 serde_json::to_value(self.envelope("chat.completion", choices, Some(usage)))
@@ -169,11 +203,11 @@ impl ResponseMeta {
             Endpoint::Completions => {
                 let choices: Vec<TextChoice<'_>> = (0u32..)
                     .zip(choices)
-                    .map(|(index, (text, finish_reason, logprobs))| TextChoice {
+                    .map(|(index, c)| TextChoice {
                         index,
-                        text,
-                        logprobs: logprobs.as_ref(),
-                        finish_reason: Some(finish_reason),
+                        text: c.text.as_deref().unwrap_or(""),
+                        logprobs: c.logprobs.as_ref(),
+                        finish_reason: Some(c.finish_reason),
                     })
                     .collect();
                 serde_json::to_value(self.envelope("text_completion", choices, Some(usage)))

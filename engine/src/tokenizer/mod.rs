@@ -24,6 +24,19 @@ pub trait Tokenizer: Send + Sync {
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
         Ok(render_chatml(messages))
     }
+    /// Whether [`Self::render_chat_with_tools`] works: the chat template puts function
+    /// definitions in the prompt.
+    fn renders_tools(&self) -> bool {
+        false
+    }
+    /// Render a conversation (JSON message objects, tool calls included) with `tools`.
+    fn render_chat_with_tools(
+        &self,
+        _messages: &[serde_json::Value],
+        _tools: &serde_json::Value,
+    ) -> Result<String, String> {
+        Err("this model's chat template does not render tools".into())
+    }
     /// Every token's bytes, by id (special tokens start with
     /// [`switchyard_tokenizer::vocab::SPECIAL_MARKER`]): what constrained decoding matches
     /// grammars against.
@@ -53,6 +66,18 @@ impl Tokenizer for ModelTokenizer {
 
     fn token_bytes(&self) -> Vec<Vec<u8>> {
         ModelTokenizer::token_bytes(self)
+    }
+
+    fn renders_tools(&self) -> bool {
+        ModelTokenizer::renders_tools(self)
+    }
+
+    fn render_chat_with_tools(
+        &self,
+        messages: &[serde_json::Value],
+        tools: &serde_json::Value,
+    ) -> Result<String, String> {
+        self.render_with_tools(messages, tools).map_err(|e| e.to_string())
     }
 
     fn vocab_size(&self) -> Option<usize> {
