@@ -67,13 +67,21 @@ fn main() {
     let run = |case: &str| only.as_deref().is_none_or(|o| o == case);
     let prefill: Vec<f64> = (0..if run("prefill") { reps } else { 0 })
         .map(|_| {
-            let s = step(&mut kv, &[SeqInput { tokens: &prompt, start: 0, block_table: &tables[0], logits: true }]);
+            let s = step(
+                &mut kv,
+                &[SeqInput { tokens: &prompt, start: 0, block_table: &tables[0], logits: true, pool: false }],
+            );
             512.0 / s
         })
         .collect();
     let next = [prompt[511]];
     let decode: Vec<f64> = (0..if run("decode") { reps.max(10) } else { 0 })
-        .map(|_| 1.0 / step(&mut kv, &[SeqInput { tokens: &next, start: 512, block_table: &tables[0], logits: true }]))
+        .map(|_| {
+            1.0 / step(
+                &mut kv,
+                &[SeqInput { tokens: &next, start: 512, block_table: &tables[0], logits: true, pool: false }],
+            )
+        })
         .collect();
     let ctx: Vec<Vec<u32>> = (1..seqs).map(|s| tokens(s as u32, 129)).collect();
     let batch: Vec<f64> = (0..if run("batch") { reps.max(10) } else { 0 })
@@ -81,7 +89,13 @@ fn main() {
             let inputs: Vec<SeqInput<'_>> = ctx
                 .iter()
                 .enumerate()
-                .map(|(s, c)| SeqInput { tokens: &c[128..], start: 128, block_table: &tables[s + 1], logits: true })
+                .map(|(s, c)| SeqInput {
+                    tokens: &c[128..],
+                    start: 128,
+                    block_table: &tables[s + 1],
+                    logits: true,
+                    pool: false,
+                })
                 .collect();
             16.0 / step(&mut kv, &inputs)
         })

@@ -57,15 +57,25 @@ fn main() {
         (
             "prefill 512 tokens",
             512.0,
-            vec![SeqInput { tokens: &prompt, start: 0, block_table: &tables[0], logits: true }],
+            vec![SeqInput { tokens: &prompt, start: 0, block_table: &tables[0], logits: true, pool: false }],
         ),
-        ("decode 1 sequence", 1.0, vec![SeqInput { tokens: &next, start: 512, block_table: &tables[0], logits: true }]),
+        (
+            "decode 1 sequence",
+            1.0,
+            vec![SeqInput { tokens: &next, start: 512, block_table: &tables[0], logits: true, pool: false }],
+        ),
         (
             "decode 16 sequences",
             16.0,
             ctx.iter()
                 .enumerate()
-                .map(|(s, c)| SeqInput { tokens: &c[128..], start: 128, block_table: &tables[s + 1], logits: true })
+                .map(|(s, c)| SeqInput {
+                    tokens: &c[128..],
+                    start: 128,
+                    block_table: &tables[s + 1],
+                    logits: true,
+                    pool: false,
+                })
                 .collect(),
         ),
     ];

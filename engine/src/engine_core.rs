@@ -87,7 +87,7 @@ impl EngineCore {
             let batch = self.scheduler.batch(&plan);
             self.backend.execute(&batch)?
         };
-        let outputs = self.scheduler.apply(&plan, out.sampled);
+        let outputs = self.scheduler.apply(&plan, out.sampled, out.pooled);
         Ok(Some(StepResult {
             outputs,
             model_time: out.model_time,

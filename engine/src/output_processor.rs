@@ -49,6 +49,8 @@ pub enum Event {
         cached_tokens: usize,
         /// The last token's log probabilities, when asked for.
         logprobs: Option<TokenLogprobs>,
+        /// A pooling request's embedding (not normalized).
+        embedding: Option<Vec<f32>>,
     },
 }
 
@@ -214,6 +216,7 @@ impl OutputProcessor {
                         completion_tokens: o.completion_tokens,
                         cached_tokens: o.cached_tokens,
                         logprobs: o.logprobs,
+                        embedding: o.embedding,
                     }
                 }
             };
@@ -247,6 +250,7 @@ mod tests {
                 logprobs: None,
                 finished: None,
                 stop_token: false,
+                embedding: None,
                 prompt_tokens: 2,
                 completion_tokens: i + 1,
                 cached_tokens: 0,
@@ -294,6 +298,7 @@ mod tests {
             logprobs: None,
             finished,
             stop_token: finished == Some(FinishReason::Stop),
+            embedding: None,
             prompt_tokens: 3,
             completion_tokens: 1,
             cached_tokens: 2,
@@ -310,6 +315,7 @@ mod tests {
             completion_tokens: 1,
             cached_tokens: 2,
             logprobs: None,
+            embedding: None,
         };
         assert_eq!(done.events, vec![want]);
         // The last allowed token completes a stop string: `stop`, text cut, already freed.
@@ -340,6 +346,7 @@ mod tests {
             logprobs: None,
             finished: None,
             stop_token: false,
+            embedding: None,
             prompt_tokens: 1,
             completion_tokens: n,
             cached_tokens: 0,

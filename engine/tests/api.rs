@@ -557,7 +557,7 @@ async fn tokenize_and_detokenize_answer_in_vllms_shapes() {
         ("/detokenize", json!({"tokens": [-1]}), 400, "tokens"),
         ("/tokenize", json!({"prompt": "a", "messages": []}), 400, "exactly one"),
         ("/tokenize", json!({"prompt": "a", "model": "other"}), 404, "other"),
-        ("/v1/embeddings", json!({"input": "a"}), 501, "embeddings"),
+        ("/v1/embeddings", json!({"input": "a", "dimensions": 3}), 400, "dimensions"),
         ("/v1/responses", json!({"input": "a"}), 501, "Responses API"),
     ] {
         let r = post(addr, path, &body).await;
@@ -566,6 +566,18 @@ async fn tokenize_and_detokenize_answer_in_vllms_shapes() {
         let msg = v["error"]["message"].as_str().unwrap_or_else(|| panic!("{path}: not the OpenAI shape: {v}"));
         assert!(msg.contains(says), "{path}: {msg}");
     }
+    // The simulator's embeddings: unit vectors of its width, the same text the same vector.
+    let r = post(addr, "/v1/embeddings", &json!({"input": ["a b c", "a b c", "x"]})).await.json().await;
+    let e: Vec<Vec<f64>> = r["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["embedding"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect())
+        .collect();
+    assert_eq!(e[0].len(), switchyard_engine::backend::sim::SIM_EMBEDDING_DIM);
+    assert_eq!(e[0], e[1]);
+    assert!((e[2].iter().map(|x| x * x).sum::<f64>() - 1.0).abs() < 1e-4);
+    assert_eq!(r["usage"]["prompt_tokens"], 7, "{r}");
 }
 
 /// #22: `n` choices share the prompt's KV blocks (one prompt's blocks, not n), each samples

@@ -179,3 +179,66 @@ fn a_corrupt_model_file_is_a_clear_error_and_a_failed_exit() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// `/v1/embeddings` on SmolLM2: unit vectors of the model's width, meaning-ordered, the same
+/// whether computed alone, in a batch, in prefill chunks or as base64.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_are_pooled_hidden_states_that_order_by_meaning() {
+    let addr = engine().await;
+    let embed = async |addr, body: Value| -> Vec<Vec<f32>> {
+        let r = post(addr, "/v1/embeddings", &body).await.json().await;
+        let data = r["data"].as_array().unwrap_or_else(|| panic!("{r}"));
+        data.iter()
+            .map(|d| match &d["embedding"] {
+                Value::String(b64) => {
+                    use base64::Engine as _;
+                    let bytes = base64::engine::general_purpose::STANDARD.decode(b64).unwrap();
+                    bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+                }
+                v => v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect(),
+            })
+            .collect()
+    };
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+    let e = embed(addr, json!({"input": ["cat", "kitten", "carburetor"]})).await;
+    assert_eq!(e[0].len(), 576, "SmolLM2-135M's hidden width");
+    for v in &e {
+        assert!((dot(v, v) - 1.0).abs() < 1e-4, "L2-normalized");
+    }
+    let (near, far) = (dot(&e[0], &e[1]), dot(&e[0], &e[2]));
+    eprintln!("cos(cat, kitten) = {near:.4}, cos(cat, carburetor) = {far:.4}");
+    assert!(near > far, "cat is nearer kitten ({near}) than carburetor ({far})");
+    // Alone, base64, or as token ids: the same vector.
+    let alone = embed(addr, json!({"input": "kitten", "encoding_format": "base64"})).await;
+    assert!(dot(&alone[0], &e[1]) > 0.9999);
+    // A long input computed in prefill chunks (another engine, 64-token steps) and after a
+    // request that cached its prefix: still the mean over every token.
+    let text: String = (0..60).map(|i| format!("sentence {i} about cats. ")).collect();
+    let whole = embed(addr, json!({"input": text})).await;
+    let chunked_engine = spawn_engine(&[
+        "--backend",
+        "cpu",
+        "--max-num-batched-tokens",
+        "64",
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        "2048",
+    ])
+    .await;
+    let _warm = post(chunked_engine, "/v1/completions", &json!({"prompt": text, "max_tokens": 1})).await.text().await;
+    let chunked = embed(chunked_engine, json!({"input": text})).await;
+    assert!(dot(&whole[0], &chunked[0]) > 0.9999, "chunked prefill pools the same tokens");
+    // Bad input, by name.
+    for (body, param) in [
+        (json!({"input": "a", "dimensions": 8}), "dimensions"),
+        (json!({"input": "a", "encoding_format": "hex"}), "encoding_format"),
+        (json!({"input": []}), "input"),
+        (json!({"input": ["a", ""]}), "input[1]"),
+        (json!({"input": [[1, 99999999]]}), "input"),
+    ] {
+        let r = post(addr, "/v1/embeddings", &body).await;
+        assert_eq!(r.status, 400, "{body}");
+        assert_eq!(r.json().await["error"]["param"], param, "{body}");
+    }
+}

@@ -55,7 +55,7 @@ fn greedy_tokens_and_logits_match_llama_cpp() {
         let table: Vec<u32> = (0..kv_blocks(prompt.len() + steps.len(), block)).rev().collect();
         let mut tokens = prompt.clone();
         let mut logits = model
-            .forward(&mut kv, &[SeqInput { tokens: &prompt, start: 0, block_table: &table, logits: true }])
+            .forward(&mut kv, &[SeqInput { tokens: &prompt, start: 0, block_table: &table, logits: true, pool: false }])
             .unwrap()
             .remove(0);
         for (s, step) in steps.iter().enumerate() {
@@ -93,7 +93,10 @@ fn greedy_tokens_and_logits_match_llama_cpp() {
             let start = tokens.len();
             tokens.push(want);
             logits = model
-                .forward(&mut kv, &[SeqInput { tokens: &tokens[start..], start, block_table: &table, logits: true }])
+                .forward(
+                    &mut kv,
+                    &[SeqInput { tokens: &tokens[start..], start, block_table: &table, logits: true, pool: false }],
+                )
                 .unwrap()
                 .remove(0);
         }

@@ -35,11 +35,20 @@ fn three_ranks_match_one_on_the_fixture_prompts() {
         let mut start = 0;
         for step in 0..STEPS {
             let one = model
-                .forward(&mut kv, &[SeqInput { tokens: &one_toks[start..], start, block_table: &table, logits: true }])
+                .forward(
+                    &mut kv,
+                    &[SeqInput { tokens: &one_toks[start..], start, block_table: &table, logits: true, pool: false }],
+                )
                 .unwrap()
                 .remove(0);
             let tp = group
-                .forward(&[SeqInput { tokens: &tp_toks[start..], start, block_table: &table, logits: true }])
+                .forward(&[SeqInput {
+                    tokens: &tp_toks[start..],
+                    start,
+                    block_table: &table,
+                    logits: true,
+                    pool: false,
+                }])
                 .unwrap()
                 .remove(0);
             assert_eq!(tp.len(), one.len());

@@ -155,7 +155,8 @@ impl Backend for CpuBackend {
                 tokens: &s.tokens[s.sched.start..s.sched.start + s.sched.len],
                 start: s.sched.start,
                 block_table: s.block_table,
-                logits: s.sched.sample,
+                logits: s.sched.sample && !s.params.pooling,
+                pool: s.params.pooling,
             })
             .collect();
         let result = match &mut self.exec {
@@ -163,36 +164,52 @@ impl Backend for CpuBackend {
             // A failed rank takes the group down: fatal for the engine.
             Executor::Group(group) => Ok(group.forward(&inputs).map_err(|e| BackendFailure(e.to_string()))?),
         };
-        let sampling = batch.iter().filter(|s| s.sched.sample);
-        let sampled = match result {
-            Ok(logits) => sampling
-                .zip(logits)
-                .map(|(s, mut l)| {
-                    // Log probabilities come from the raw distribution, so keep it when asked.
-                    let raw = s.params.logprobs.map(|n| (l.clone(), n));
-                    match s.allowed {
-                        // The grammar decides which tokens, EOS included, may come next.
-                        Some(mask) => crate::structured::apply_mask(mask, &mut l),
-                        None => {
-                            if let (false, Some(e)) = (s.eos_allowed, l.get_mut(self.eos as usize)) {
-                                *e = f32::NEG_INFINITY;
-                            }
-                        }
-                    }
-                    let output = &s.tokens[s.tokens.len().saturating_sub(s.num_output_tokens)..];
-                    penalize(&mut l, s.params, s.tokens, output);
-                    let token = sample(&mut l, s.params, s.num_output_tokens);
-                    let logprobs = raw.map(|(raw, n)| logprobs(&raw, token, n));
-                    Sampled { id: s.sched.id, token, logprobs }
-                })
-                .collect(),
+        let rows = match result {
+            Ok(rows) => rows,
             // The server validates token ids and the scheduler sizes block tables, so this is
             // a bug; end the affected requests rather than the engine.
             Err(e) => {
                 tracing::error!(error = %e, "cpu backend step failed; ending its requests");
-                sampling.map(|s| Sampled { id: s.sched.id, token: self.eos, logprobs: None }).collect()
+                let sampled = batch
+                    .iter()
+                    .filter(|s| s.sched.sample)
+                    .map(|s| Sampled { id: s.sched.id, token: self.eos, logprobs: None })
+                    .collect();
+                return Ok(StepOutput { sampled, pooled: Vec::new(), model_time: None });
             }
         };
-        Ok(StepOutput { sampled, model_time: None })
+        // One row per pooling sequence (its hidden-state sum) and per sampling one (logits).
+        let mut rows = rows.into_iter();
+        let (mut sampled, mut pooled) = (Vec::new(), Vec::new());
+        for s in batch {
+            if s.params.pooling {
+                pooled.extend(rows.next().map(|sum| (s.sched.id, sum)));
+                if s.sched.sample {
+                    sampled.push(Sampled { id: s.sched.id, token: self.eos, logprobs: None });
+                }
+                continue;
+            }
+            if !s.sched.sample {
+                continue;
+            }
+            let Some(mut l) = rows.next() else { break };
+            // Log probabilities come from the raw distribution, so keep it when asked.
+            let raw = s.params.logprobs.map(|n| (l.clone(), n));
+            match s.allowed {
+                // The grammar decides which tokens, EOS included, may come next.
+                Some(mask) => crate::structured::apply_mask(mask, &mut l),
+                None => {
+                    if let (false, Some(e)) = (s.eos_allowed, l.get_mut(self.eos as usize)) {
+                        *e = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            let output = &s.tokens[s.tokens.len().saturating_sub(s.num_output_tokens)..];
+            penalize(&mut l, s.params, s.tokens, output);
+            let token = sample(&mut l, s.params, s.num_output_tokens);
+            let logprobs = raw.map(|(raw, n)| logprobs(&raw, token, n));
+            sampled.push(Sampled { id: s.sched.id, token, logprobs });
+        }
+        Ok(StepOutput { sampled, pooled, model_time: None })
     }
 }

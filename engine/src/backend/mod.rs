@@ -20,6 +20,9 @@ use crate::scheduler::{Sampled, SeqView};
 pub struct StepOutput {
     /// A token for every sequence scheduled with `sample`.
     pub sampled: Vec<Sampled>,
+    /// For every pooling sequence of the step: the sum of its step tokens' final hidden
+    /// states (see [`crate::scheduler::SamplingParams::pooling`]).
+    pub pooled: Vec<(crate::scheduler::RequestId, Vec<f32>)>,
     /// Modelled duration of the step (simulated backends only).
     pub model_time: Option<Duration>,
 }

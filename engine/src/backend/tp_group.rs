@@ -60,9 +60,13 @@ pub enum GroupError {
     },
 }
 
+/// One sequence of a step, owned: tokens, start, block table, logits, pool (see
+/// [`SeqInput`]).
+type OwnedSeq = (Vec<TokenId>, usize, Vec<BlockId>, bool, bool);
+
 /// One step's sequences, owned so that every rank thread can read them.
 struct Step {
-    seqs: Vec<(Vec<TokenId>, usize, Vec<BlockId>, bool)>,
+    seqs: Vec<OwnedSeq>,
 }
 
 type Reply = (usize, Result<Vec<Vec<f32>>, String>);
@@ -158,7 +162,7 @@ impl TpGroup {
             return Err(e.clone());
         }
         let step = Arc::new(Step {
-            seqs: seqs.iter().map(|s| (s.tokens.to_vec(), s.start, s.block_table.to_vec(), s.logits)).collect(),
+            seqs: seqs.iter().map(|s| (s.tokens.to_vec(), s.start, s.block_table.to_vec(), s.logits, s.pool)).collect(),
         });
         let mut sent = 0;
         for tx in &self.steps {
@@ -236,11 +240,12 @@ impl RankThread {
                 let seqs: Vec<SeqInput<'_>> = step
                     .seqs
                     .iter()
-                    .map(|(tokens, start, table, logits)| SeqInput {
+                    .map(|(tokens, start, table, logits, pool)| SeqInput {
                         tokens,
                         start: *start,
                         block_table: table,
                         logits: *logits,
+                        pool: *pool,
                     })
                     .collect();
                 pool.install(|| shard.forward_rank(&mut kv, &seqs, Some((comm.as_ref(), rank))))

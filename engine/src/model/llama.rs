@@ -233,6 +233,9 @@ pub struct SeqInput<'a> {
     pub block_table: &'a [BlockId],
     /// Whether to return logits for the last token.
     pub logits: bool,
+    /// Return instead the sum over this step's tokens of the final hidden state (after the
+    /// model's last norm; `dim` floats): a pooling request's share of its mean.
+    pub pool: bool,
 }
 
 pub(super) fn cfg_err(key: &str, reason: impl Into<String>) -> ModelError {
@@ -338,7 +341,8 @@ impl Llama {
     }
 
     /// Run one step over `seqs`, updating `kv`. Returns the logits (`vocab` floats) of the
-    /// last token of every sequence that asked for them, in order.
+    /// last token of every sequence that asked for them, or its pooled sum (`dim` floats)
+    /// for a pooling sequence, in order.
     pub fn forward(&self, kv: &mut KvStore, seqs: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
         self.forward_rank(kv, seqs, None)
     }
@@ -444,6 +448,8 @@ impl Llama {
 
     /// The logits of the last token of every sequence that samples: final norm and LM head;
     /// with a group, this rank's vocabulary rows gathered on rank 0 (the others return none).
+    /// A pooling sequence gets the sum of its tokens' normed hidden states instead (the
+    /// residual stream is whole on every rank, so no collective is needed for it).
     fn gather_logits(
         &self,
         x: &[f32],
@@ -453,10 +459,21 @@ impl Llama {
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let (dim, vocab) = (self.cfg.dim, self.lm_head.rows);
         let mut last = Vec::new();
+        let mut pooled = Vec::new();
         let mut end = 0;
         for q in seqs {
+            let begin = end;
             end += q.tokens.len();
-            if q.logits && !q.tokens.is_empty() {
+            if q.pool {
+                let rows = &x[begin * dim..end * dim];
+                let mut normed = vec![0f32; rows.len()];
+                rmsnorm(rows, &self.norm, self.cfg.eps, &mut normed);
+                let mut sum = vec![0f32; dim];
+                for row in normed.chunks_exact(dim) {
+                    sum.iter_mut().zip(row).for_each(|(s, v)| *s += v);
+                }
+                pooled.push(sum);
+            } else if q.logits && !q.tokens.is_empty() {
                 last.extend_from_slice(&x[(end - 1) * dim..end * dim]);
             }
         }
@@ -465,22 +482,34 @@ impl Llama {
         rmsnorm(&last, &self.norm, self.cfg.eps, &mut normed);
         let mut logits = vec![0f32; m * vocab];
         matmul(&[&self.lm_head], &[&normed], &mut [&mut logits], scratch)?;
-        let Some((comm, rank)) = comm else {
-            return Ok(logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect());
-        };
-        // Vocabulary-parallel head: row i of the logits is every rank's row i, in rank order.
-        let parts = comm.gather_to_first(rank, &logits)?;
-        if rank != 0 {
-            return Ok(Vec::new());
-        }
-        Ok((0..m)
-            .map(|i| {
-                let mut row = Vec::with_capacity(self.cfg.vocab);
-                for p in &parts {
-                    let w = p.len() / m.max(1);
-                    row.extend_from_slice(&p[i * w..(i + 1) * w]);
+        let logits: Vec<Vec<f32>> = match comm {
+            None => logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect(),
+            Some((comm, rank)) => {
+                // Vocabulary-parallel head: row i of the logits is every rank's row i, in rank order.
+                let parts = comm.gather_to_first(rank, &logits)?;
+                if rank != 0 {
+                    return Ok(Vec::new());
                 }
-                row
+                (0..m)
+                    .map(|i| {
+                        let mut row = Vec::with_capacity(self.cfg.vocab);
+                        for p in &parts {
+                            let w = p.len() / m.max(1);
+                            row.extend_from_slice(&p[i * w..(i + 1) * w]);
+                        }
+                        row
+                    })
+                    .collect()
+            }
+        };
+        // One row per sequence that asked, in order.
+        let (mut logits, mut pooled) = (logits.into_iter(), pooled.into_iter());
+        Ok(seqs
+            .iter()
+            .filter_map(|q| match (q.pool, q.logits && !q.tokens.is_empty()) {
+                (true, _) => pooled.next(),
+                (false, true) => logits.next(),
+                (false, false) => None,
             })
             .collect())
     }

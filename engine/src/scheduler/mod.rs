@@ -148,6 +148,9 @@ pub struct TokenOutput {
     pub finished: Option<FinishReason>,
     /// The token is EOS or a stop token id that ended the request: not part of the text.
     pub stop_token: bool,
+    /// A pooling request's embedding (the mean of its prompt's final hidden states), with
+    /// which it ends.
+    pub embedding: Option<Vec<f32>>,
     /// Prompt tokens.
     pub prompt_tokens: usize,
     /// Tokens generated so far, this one included.
@@ -338,7 +341,11 @@ impl Scheduler {
         let req = self.requests.get_mut(&id).expect("waiting request exists");
         debug_assert_eq!(req.num_computed_tokens, 0);
         let total = req.tokens.len();
-        let hits = self.kv.get_computed_blocks(id, &req.tokens);
+        // A pooling request needs every prompt token's hidden state: no cache hits.
+        let hits = match req.params.pooling {
+            true => ComputedBlocks::default(),
+            false => self.kv.get_computed_blocks(id, &req.tokens),
+        };
         let cached = hits.num_tokens;
         let n = (total - cached).min(budget);
         self.kv.allocate_slots(id, cached + n, &hits).ok()?;
@@ -390,17 +397,52 @@ impl Scheduler {
 
     /// Apply a computed step: advance progress, cache full blocks, append `sampled`
     /// tokens (one per scheduled request with `sample`), finish what is done in token space.
-    pub fn apply(&mut self, plan: &StepPlan, sampled: Vec<Sampled>) -> Vec<TokenOutput> {
+    pub fn apply(
+        &mut self,
+        plan: &StepPlan,
+        sampled: Vec<Sampled>,
+        pooled: Vec<(RequestId, Vec<f32>)>,
+    ) -> Vec<TokenOutput> {
         for s in &plan.seqs {
             let Some(req) = self.requests.get_mut(&s.id) else { continue };
             req.num_computed_tokens = s.start + s.len;
             self.kv.cache_full_blocks(s.id, &req.tokens, req.num_computed_tokens);
+            if s.start == 0 {
+                req.pool_sum.clear();
+            }
+        }
+        for (id, sum) in pooled {
+            let Some(req) = self.requests.get_mut(&id) else { continue };
+            req.pool_sum.resize(sum.len(), 0.0);
+            req.pool_sum.iter_mut().zip(&sum).for_each(|(a, b)| *a += b);
         }
         let mut outputs = Vec::with_capacity(sampled.len());
         for Sampled { id, token, logprobs } in sampled {
             let Some(req) = self.requests.get_mut(&id) else { continue };
             if req.num_output_tokens() == 0 {
                 self.stats.prompt_tokens += req.num_prompt_tokens as u64;
+            }
+            if req.params.pooling {
+                // Its prefill is done: the mean of the prompt's hidden states ends it.
+                let n = req.num_prompt_tokens.max(1) as f32;
+                let embedding = req.pool_sum.iter().map(|v| v / n).collect();
+                let (prompt_tokens, cached_tokens) = (req.num_prompt_tokens, req.num_cached_tokens);
+                self.requests.remove(&id);
+                self.kv.free(id);
+                self.kv.free_block_hashes(id);
+                self.running.retain(|&r| r != id);
+                outputs.push(TokenOutput {
+                    id,
+                    token,
+                    logprobs: None,
+                    finished: Some(FinishReason::Stop),
+                    stop_token: true,
+                    embedding: Some(embedding),
+                    prompt_tokens,
+                    completion_tokens: 0,
+                    cached_tokens,
+                });
+                continue;
             }
             self.stats.generation_tokens += 1;
             let mut finished = req.append_token(token, self.eos, self.cfg.max_model_len);
@@ -425,6 +467,7 @@ impl Scheduler {
                 logprobs,
                 finished,
                 stop_token,
+                embedding: None,
                 prompt_tokens,
                 completion_tokens,
                 cached_tokens,

@@ -42,6 +42,10 @@ pub struct SamplingParams {
     /// Log probabilities to return per generated token: `None` for none, `Some(n)` for the
     /// chosen token's and the `n` most likely tokens'.
     pub logprobs: Option<usize>,
+    /// An embedding request: the prompt's final hidden states are mean-pooled and the
+    /// request ends after its prefill, generating nothing (its whole prompt is computed:
+    /// no prefix-cache hits).
+    pub pooling: bool,
 }
 
 impl Default for SamplingParams {
@@ -61,6 +65,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             seed: 0,
             logprobs: None,
+            pooling: false,
         }
     }
 }
@@ -106,6 +111,8 @@ pub struct Request {
     pub num_cached_tokens: usize,
     /// The grammar its output must follow (structured output), if any.
     pub constraint: Option<Constraint>,
+    /// A pooling request's sum of hidden states over the prompt tokens computed so far.
+    pub pool_sum: Vec<f32>,
 }
 
 impl Request {
@@ -120,6 +127,7 @@ impl Request {
             num_preemptions: 0,
             num_cached_tokens: 0,
             constraint: None,
+            pool_sum: Vec::new(),
         }
     }
 

@@ -19,7 +19,7 @@ fn run_step(s: &mut Scheduler) -> (StepPlan, Vec<TokenOutput>) {
     let plan = s.schedule();
     let sampled =
         plan.seqs.iter().filter(|q| q.sample).map(|q| Sampled { id: q.id, token: 5, logprobs: None }).collect();
-    let events = s.apply(&plan, sampled);
+    let events = s.apply(&plan, sampled, Vec::new());
     (plan, events)
 }
 

@@ -5,7 +5,10 @@
 //! | `GET /health` | 200 while the engine thread runs |
 //! | `GET /v1/models` | the served model |
 //! | `POST /v1/completions` | text completion, streamed (SSE) or not |
-//! | `POST /v1/chat/completions` | chat completion, streamed (SSE) or not |
+//! | `POST /v1/chat/completions` | chat completion, streamed (SSE) or not; structured output ([`crate::structured`]), tools ([`tools`]) |
+//! | `POST /v1/embeddings` | mean-pooled, L2-normalized final hidden states (float or base64) |
+//! | `POST /tokenize`, `/detokenize` | vLLM's |
+//! | `POST /v1/responses` | 501, naming what is missing |
 //! | `GET /metrics` | Prometheus text, vLLM names |
 //!
 //! A handler parses and validates the body, tokenizes, submits to the engine and turns
@@ -101,12 +104,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
-        .route(
-            "/v1/embeddings",
-            post(|| {
-                not_implemented("embeddings (the model's pooled hidden state) are not implemented by this engine yet")
-            }),
-        )
+        .route("/v1/embeddings", post(embeddings))
         .route(
             "/v1/responses",
             post(|| {
@@ -179,6 +177,82 @@ async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     }
 }
 
+/// `POST /v1/embeddings`: each input runs as a pooling request (its prompt computed, no
+/// token generated); the embedding is the mean of the prompt's final hidden states,
+/// L2-normalized.
+async fn embeddings(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let arrival = Instant::now();
+    let prepared = (|| {
+        let (req, common): (openai::EmbeddingRequest, _) = openai::parse_body(&body, openai::EMBEDDING_FIELDS)?;
+        st.check_model(&common.model)?;
+        if req.dimensions.as_ref().is_some_and(|d| !d.is_null()) {
+            return Err(ApiError::invalid(
+                "dimensions",
+                "dimensions is not supported: this model's embeddings have one width (leave it out)",
+            ));
+        }
+        let base64 = match req.encoding_format.as_deref() {
+            None | Some("float") => false,
+            Some("base64") => true,
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    "encoding_format",
+                    format!("encoding_format must be float or base64, got {other:?}"),
+                ))
+            }
+        };
+        let mut prompts = Vec::new();
+        for input in openai::embedding_inputs(req.input)? {
+            let prompt = match input {
+                PromptInput::Text(t) => st.tokenizer.encode(&t),
+                PromptInput::Tokens(t) => st.check_vocab(t, "input")?,
+            };
+            let mut params = openai::sampling_params(&common, prompt.len(), "input", st.limits, 0)?;
+            (params.max_tokens, params.pooling) = (1, true);
+            prompts.push((prompt, params));
+        }
+        Ok((prompts, base64))
+    })();
+    let (prompts, base64) = match prepared {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let mut streams = Vec::with_capacity(prompts.len());
+    for (prompt, params) in prompts {
+        let id = st.next_id.fetch_add(1, Ordering::Relaxed);
+        match st.engine.submit(id, prompt, params, None, arrival) {
+            Ok(s) => streams.push(s),
+            Err(_) => return ApiError::Unavailable.into_response(),
+        }
+    }
+    let (mut data, mut tokens) = (Vec::with_capacity(streams.len()), 0);
+    for (i, mut stream) in streams.into_iter().enumerate() {
+        loop {
+            match stream.next().await {
+                Some(Event::Finished { embedding: Some(e), prompt_tokens, .. }) => {
+                    tokens += prompt_tokens;
+                    let norm = e.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
+                    let unit: Vec<f32> = e.iter().map(|v| v / norm).collect();
+                    let embedding = if base64 {
+                        use base64::Engine as _;
+                        let bytes: Vec<u8> = unit.iter().flat_map(|v| v.to_le_bytes()).collect();
+                        serde_json::json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+                    } else {
+                        serde_json::json!(unit)
+                    };
+                    data.push(serde_json::json!({"object": "embedding", "index": i, "embedding": embedding}));
+                    break;
+                }
+                Some(Event::Token { .. }) => {}
+                Some(Event::Finished { .. }) | None => return ApiError::Unavailable.into_response(),
+            }
+        }
+    }
+    Json(serde_json::json!({"object": "list", "data": data, "model": st.model,
+                            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}))
+    .into_response()
+}
+
 async fn health(State(st): State<Arc<AppState>>) -> Response {
     match st.failed.borrow().clone() {
         None => StatusCode::OK.into_response(),
@@ -246,6 +320,19 @@ impl AppState {
         }
     }
 
+    /// Token ids given in a request's `field`, each checked against the vocabulary.
+    fn check_vocab(&self, ids: Vec<TokenId>, field: &str) -> Result<Vec<TokenId>, ApiError> {
+        if let Some(v) = self.tokenizer.vocab_size() {
+            if let Some(bad) = ids.iter().find(|&&id| id as usize >= v) {
+                return Err(ApiError::invalid(
+                    field,
+                    format!("token id {bad} is outside the vocabulary of {v} tokens"),
+                ));
+            }
+        }
+        Ok(ids)
+    }
+
     /// Compile `spec` (from request field `field`) with the model's vocabulary.
     fn compile(&self, field: &str, spec: &GuidedSpec) -> Result<Constraint, ApiError> {
         let grammars = self.grammars.get_or_init(|| Grammars::new(self.tokenizer.clone()));
@@ -295,17 +382,7 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         st.check_model(&common.model)?;
         let prompt = match openai::completion_prompt(req.prompt)? {
             PromptInput::Text(t) => st.tokenizer.encode(&t),
-            PromptInput::Tokens(t) => {
-                if let Some(v) = st.tokenizer.vocab_size() {
-                    if let Some(bad) = t.iter().find(|&&id| id as usize >= v) {
-                        return Err(ApiError::invalid(
-                            "prompt",
-                            format!("token id {bad} is outside the vocabulary of {v} tokens"),
-                        ));
-                    }
-                }
-                t
-            }
+            PromptInput::Tokens(t) => st.check_vocab(t, "prompt")?,
         };
         st.prepare(&common, prompt, "prompt", id)
     })();

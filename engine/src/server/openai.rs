@@ -325,6 +325,55 @@ pub fn guided_spec(c: &CommonParams) -> Result<Option<(String, GuidedSpec)>, Api
     Ok(found.pop())
 }
 
+/// `POST /v1/embeddings` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct EmbeddingRequest {
+    /// Text, texts, token ids, or lists of token ids.
+    pub input: Option<Prompt>,
+    /// `float` (default) or `base64` (little-endian f32).
+    pub encoding_format: Option<String>,
+    /// Refused: the model's embeddings have one width.
+    pub dimensions: Option<serde_json::Value>,
+}
+
+/// The fields of [`EmbeddingRequest`].
+pub const EMBEDDING_FIELDS: &[&str] = &["input", "encoding_format", "dimensions"];
+
+/// Most inputs one embeddings request may carry.
+pub const MAX_EMBEDDING_INPUTS: usize = 256;
+
+/// The inputs of an embeddings request, each text or token ids.
+pub fn embedding_inputs(input: Option<Prompt>) -> Result<Vec<PromptInput>, ApiError> {
+    let ids = |v: Vec<i64>| -> Result<PromptInput, ApiError> {
+        v.into_iter()
+            .map(|t| {
+                u32::try_from(t)
+                    .map_err(|_| ApiError::invalid("input", format!("input token ids must be in 0..2^32, got {t}")))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(PromptInput::Tokens)
+    };
+    let inputs = match input.ok_or_else(|| ApiError::invalid("input", "input is required"))? {
+        Prompt::Text(t) => vec![PromptInput::Text(t)],
+        Prompt::Texts(v) => v.into_iter().map(PromptInput::Text).collect(),
+        Prompt::Tokens(v) => vec![ids(v)?],
+        Prompt::TokenBatches(v) => v.into_iter().map(ids).collect::<Result<_, _>>()?,
+    };
+    if inputs.is_empty() || inputs.len() > MAX_EMBEDDING_INPUTS {
+        return Err(ApiError::invalid("input", format!("input must hold 1 to {MAX_EMBEDDING_INPUTS} items")));
+    }
+    for (i, input) in inputs.iter().enumerate() {
+        let empty = match input {
+            PromptInput::Text(t) => t.is_empty(),
+            PromptInput::Tokens(t) => t.is_empty(),
+        };
+        if empty {
+            return Err(ApiError::invalid(format!("input[{i}]"), format!("input[{i}] must not be empty")));
+        }
+    }
+    Ok(inputs)
+}
+
 /// `POST /tokenize` body (vLLM's).
 #[derive(Debug, Clone, Deserialize)]
 pub struct TokenizeRequest {
@@ -710,5 +759,6 @@ pub fn sampling_params(
         frequency_penalty: c.frequency_penalty.unwrap_or(0.0) as f32,
         seed: c.seed.map_or(default_seed, |s| s as u64),
         logprobs,
+        pooling: false,
     })
 }

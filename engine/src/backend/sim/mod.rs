@@ -133,16 +133,38 @@ impl Backend for SimBackend {
             .filter(|s| s.sched.sample)
             .map(|s| Sampled {
                 id: s.sched.id,
-                token: match s.allowed {
-                    Some(mask) => self.constrained_token(s.params.seed, s.num_output_tokens, mask),
-                    None => self.token_at(s.params.seed, s.num_output_tokens, s.eos_allowed),
+                token: match (s.params.pooling, s.allowed) {
+                    (true, _) => self.eos,
+                    (false, Some(mask)) => self.constrained_token(s.params.seed, s.num_output_tokens, mask),
+                    (false, None) => self.token_at(s.params.seed, s.num_output_tokens, s.eos_allowed),
                 },
                 // A timing model has no distribution; the server refuses `logprobs` for it.
                 logprobs: None,
             })
             .collect();
-        Ok(StepOutput { sampled, model_time: Some(step_time(&self.profile, &shape)) })
+        let pooled = batch
+            .iter()
+            .filter(|s| s.params.pooling)
+            .map(|s| (s.sched.id, token_vectors(&s.tokens[s.sched.start..s.sched.start + s.sched.len])))
+            .collect();
+        Ok(StepOutput { sampled, pooled, model_time: Some(step_time(&self.profile, &shape)) })
     }
+}
+
+/// Width of the simulator's embeddings.
+pub const SIM_EMBEDDING_DIM: usize = 256;
+
+/// The simulator's stand-in for hidden states: the sum of a fixed pseudo-random vector per
+/// token id, so texts sharing tokens get close embeddings (a bag of tokens).
+fn token_vectors(tokens: &[TokenId]) -> Vec<f32> {
+    let mut sum = vec![0f32; SIM_EMBEDDING_DIM];
+    for &t in tokens {
+        for (j, v) in sum.iter_mut().enumerate() {
+            let r = splitmix64(u64::from(t) << 16 | j as u64);
+            *v += (r >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+        }
+    }
+    sum
 }
 
 /// SplitMix64 finalizer: a cheap, well-mixed 64-bit hash.

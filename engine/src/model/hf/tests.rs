@@ -89,7 +89,9 @@ fn f32_matrix(t: &(String, Vec<usize>, Vec<f32>)) -> Matrix {
 
 fn run(m: &Llama, toks: &[u32]) -> Vec<f32> {
     let mut kv = KvStore::new(&m.cfg, 8, 4);
-    m.forward(&mut kv, &[SeqInput { tokens: toks, start: 0, block_table: &[0, 1, 2], logits: true }]).unwrap().remove(0)
+    m.forward(&mut kv, &[SeqInput { tokens: toks, start: 0, block_table: &[0, 1, 2], logits: true, pool: false }])
+        .unwrap()
+        .remove(0)
 }
 
 #[test]

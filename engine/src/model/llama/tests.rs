@@ -153,8 +153,9 @@ fn one_prefill_through_a_contiguous_table_equals_the_reference() {
         let toks = tokens(13, 0);
         let mut kv = KvStore::new(&m.cfg, 8, 4);
         let table = [0, 1, 2, 3];
-        let out =
-            m.forward(&mut kv, &[SeqInput { tokens: &toks, start: 0, block_table: &table, logits: true }]).unwrap();
+        let out = m
+            .forward(&mut kv, &[SeqInput { tokens: &toks, start: 0, block_table: &table, logits: true, pool: false }])
+            .unwrap();
         close(&out[0], &reference_logits(&m, &toks));
     }
 }
@@ -169,7 +170,7 @@ fn scattered_blocks_chunked_prefill_and_decodes_equal_the_reference() {
     let mut start = 0;
     let mut last = Vec::new();
     for len in [7, 6, 1, 1, 1, 1, 1, 1] {
-        let s = SeqInput { tokens: &toks[start..start + len], start, block_table: &table, logits: true };
+        let s = SeqInput { tokens: &toks[start..start + len], start, block_table: &table, logits: true, pool: false };
         last = m.forward(&mut kv, &[s]).unwrap().remove(0);
         close(&last, &reference_logits(&m, &toks[..start + len]));
         start += len;
@@ -189,13 +190,14 @@ fn a_batch_of_sequences_sharing_a_prefix_block_equals_each_alone() {
     let (ta, tb) = ([9, 2, 5], [9, 12, 4]);
     // Step 1: a's prefill alone. Step 2: a decodes while b prefills its uncached tail,
     // reading block 9 that a wrote.
-    m.forward(&mut kv, &[SeqInput { tokens: &a[..9], start: 0, block_table: &ta, logits: false }]).unwrap();
+    m.forward(&mut kv, &[SeqInput { tokens: &a[..9], start: 0, block_table: &ta, logits: false, pool: false }])
+        .unwrap();
     let out = m
         .forward(
             &mut kv,
             &[
-                SeqInput { tokens: &a[9..10], start: 9, block_table: &ta, logits: true },
-                SeqInput { tokens: &b[4..], start: 4, block_table: &tb, logits: true },
+                SeqInput { tokens: &a[9..10], start: 9, block_table: &ta, logits: true, pool: false },
+                SeqInput { tokens: &b[4..], start: 4, block_table: &tb, logits: true, pool: false },
             ],
         )
         .unwrap();
@@ -210,9 +212,13 @@ fn bad_inputs_are_errors() {
     let mut kv = KvStore::new(&m.cfg, 4, 4);
     let toks = tokens(9, 0);
     let short = [0, 1];
-    assert!(m.forward(&mut kv, &[SeqInput { tokens: &toks, start: 0, block_table: &short, logits: true }]).is_err());
+    assert!(m
+        .forward(&mut kv, &[SeqInput { tokens: &toks, start: 0, block_table: &short, logits: true, pool: false }])
+        .is_err());
     let bad = [V as TokenId];
-    assert!(m.forward(&mut kv, &[SeqInput { tokens: &bad, start: 0, block_table: &short, logits: true }]).is_err());
+    assert!(m
+        .forward(&mut kv, &[SeqInput { tokens: &bad, start: 0, block_table: &short, logits: true, pool: false }])
+        .is_err());
 }
 
 /// Runs the same steps through one model and through a tensor-parallel group: batched
@@ -225,19 +231,19 @@ fn tp_steps(forward: &mut dyn FnMut(&[SeqInput<'_>]) -> Vec<Vec<f32>>) -> Vec<Ve
     let (ta, tb, tc) = ([9, 2, 5, 13], [9, 12, 4, 1], [7, 0, 11]);
     let mut out = Vec::new();
     out.extend(forward(&[
-        SeqInput { tokens: &a[..7], start: 0, block_table: &ta, logits: false },
-        SeqInput { tokens: &c[..5], start: 0, block_table: &tc, logits: true },
+        SeqInput { tokens: &a[..7], start: 0, block_table: &ta, logits: false, pool: false },
+        SeqInput { tokens: &c[..5], start: 0, block_table: &tc, logits: true, pool: false },
     ]));
     out.extend(forward(&[
-        SeqInput { tokens: &a[7..9], start: 7, block_table: &ta, logits: true },
-        SeqInput { tokens: &b[4..10], start: 4, block_table: &tb, logits: true },
-        SeqInput { tokens: &c[5..6], start: 5, block_table: &tc, logits: true },
+        SeqInput { tokens: &a[7..9], start: 7, block_table: &ta, logits: true, pool: false },
+        SeqInput { tokens: &b[4..10], start: 4, block_table: &tb, logits: true, pool: false },
+        SeqInput { tokens: &c[5..6], start: 5, block_table: &tc, logits: true, pool: false },
     ]));
     for i in 0..3 {
         out.extend(forward(&[
-            SeqInput { tokens: &a[9 + i..10 + i], start: 9 + i, block_table: &ta, logits: true },
-            SeqInput { tokens: &b[10 + i..11 + i], start: 10 + i, block_table: &tb, logits: true },
-            SeqInput { tokens: &c[6 + i..7 + i], start: 6 + i, block_table: &tc, logits: true },
+            SeqInput { tokens: &a[9 + i..10 + i], start: 9 + i, block_table: &ta, logits: true, pool: false },
+            SeqInput { tokens: &b[10 + i..11 + i], start: 10 + i, block_table: &tb, logits: true, pool: false },
+            SeqInput { tokens: &c[6 + i..7 + i], start: 6 + i, block_table: &tc, logits: true, pool: false },
         ]));
     }
     out
@@ -275,7 +281,7 @@ fn a_failed_rank_fails_the_group_without_hanging() {
     let m = shaped(RopeStyle::Interleaved, 8, 4, 64);
     let mut group = TpGroup::spawn_with_failing_rank(&m, 4, 2, 16, 4, 2).unwrap();
     let toks = tokens(5, 1);
-    let seqs = [SeqInput { tokens: &toks, start: 0, block_table: &[0, 1], logits: true }];
+    let seqs = [SeqInput { tokens: &toks, start: 0, block_table: &[0, 1], logits: true, pool: false }];
     for _ in 0..2 {
         match group.forward(&seqs) {
             Err(GroupError::RankFailed { rank: 2, reason }) => assert!(reason.contains("on purpose"), "{reason}"),
