@@ -27,10 +27,4 @@ out["first_event_s"] = time.monotonic() - start
 out["first_role"] = first.choices[0].delta.role
 for _ in stream:
     pass
-try:
-    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                   response_format={"type": "json_object"})
-    out["response_format"] = "accepted"
-except openai.BadRequestError as e:
-    out["response_format"] = {"status": e.status_code, "param": (e.body or {}).get("param")}
 print(json.dumps(out))

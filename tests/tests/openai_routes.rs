@@ -354,5 +354,42 @@ async fn the_sdk_sees_the_engines_choices_seeds_ids_and_prefill() {
     // The first event waits for the prefill (a lower bound: a busy machine only adds).
     assert_eq!(r["first_role"], "assistant");
     assert!(r["first_event_s"].as_f64().unwrap() > 0.3, "the first event came before the prefill: {r}");
-    assert_eq!(r["response_format"], json!({"status": 400, "param": "response_format"}), "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sdk_gets_structured_output_tool_calls_and_embeddings_from_the_cpu_model() {
+    // #22 with the real model behind the gateway: schemas validated by `jsonschema`.
+    let engine = EngineProc::start(&["--backend", "cpu", "--max-model-len", "2048", "--kv-cache-space", "0.25"]);
+    let g = GatewayProc::start(&GatewayConfigBuilder::new().backends([engine.url()]));
+    wait_scraped(&g, 1).await;
+    let python = workspace_root().join(".cache/openai-venv/bin/python");
+    assert!(python.exists(), "{} is missing: run scripts/setup.sh", python.display());
+    let out = tokio::process::Command::new(&python)
+        .arg(workspace_root().join("tests/openai_sdk_structured.py"))
+        .arg(format!("http://{}", g.addr))
+        .arg("SmolLM2-135M-Instruct")
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "openai_sdk_structured.py failed:\n{stderr}");
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {stderr}"));
+    eprintln!("{r}");
+    assert_eq!(r["schema_valid"], 20, "every json_schema output parses and validates: {r}");
+    assert_eq!(r["schema_streamed_valid"], true, "{r}");
+    assert_eq!(r["json_object"], true, "{r}");
+    assert_eq!(r["tool_call"]["name"], "get_weather", "{r}");
+    assert_eq!(r["tool_call"]["valid"], true, "{r}");
+    assert_eq!(r["required_call_valid"], true, "{r}");
+    assert!(r["cos_cat_kitten"].as_f64().unwrap() > r["cos_cat_carburetor"].as_f64().unwrap(), "{r}");
+    assert_eq!(r["n2"], 2, "{r}");
+    for case in ["malformed_schema", "unknown_tool", "n_over", "dimensions", "logit_bias", "auto_tools"] {
+        assert_eq!(r["bad"][case]["status"], 400, "{case}: {r}");
+    }
+    assert_eq!(r["bad"]["malformed_schema"]["param"], "response_format", "{r}");
+    assert_eq!(r["bad"]["unknown_tool"]["param"], "tool_choice.function.name", "{r}");
+    assert_eq!(r["bad"]["n_over"]["param"], "n", "{r}");
+    assert_eq!(r["bad"]["dimensions"]["param"], "dimensions", "{r}");
+    assert_eq!(r["bad"]["logit_bias"]["param"], "logit_bias", "{r}");
+    assert_eq!(r["bad"]["auto_tools"]["param"], "tool_choice", "{r}");
 }
