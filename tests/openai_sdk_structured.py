@@ -49,7 +49,7 @@ text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 jsonschema.validate(json.loads(text), person)
 out["schema_streamed_valid"] = True
 
-r = client.chat.completions.create(model=model, max_tokens=100, response_format={"type": "json_object"},
+r = client.chat.completions.create(model=model, max_tokens=300, temperature=0, response_format={"type": "json_object"},
                                    messages=[{"role": "user", "content": "Give me a JSON object about cats."}])
 out["json_object"] = isinstance(json.loads(r.choices[0].message.content), dict)
 
@@ -58,7 +58,8 @@ weather = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
            "required": ["city", "unit"], "additionalProperties": False}
 tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                            "parameters": weather}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+         {"type": "function", "function": {"name": "get_time",
+                                           "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}]
 ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
 r = client.chat.completions.create(model=model, max_tokens=100, messages=ask, tools=tools,
                                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -80,6 +81,22 @@ def cos(a, b):
 
 out["cos_cat_kitten"], out["cos_cat_carburetor"] = cos(e[0], e[1]), cos(e[0], e[2])
 out["n2"] = len(client.chat.completions.create(model=model, max_tokens=4, n=2, messages=ask).choices)
+
+r = client.responses.create(model=model, input="Name a city in France.", instructions="Answer in one word.",
+                           max_output_tokens=16)
+out["responses_text"] = r.output_text
+out["responses_status"] = r.status
+r = client.responses.create(model=model, input="A person in Tokyo, as JSON.", max_output_tokens=200,
+                           text={"format": {"type": "json_schema", "name": "person", "schema": person, "strict": True}})
+jsonschema.validate(json.loads(r.output_text), person)
+out["responses_schema_valid"] = True
+deltas, final = "", None
+for ev in client.responses.create(model=model, input="Say hello.", max_output_tokens=16, stream=True):
+    if ev.type == "response.output_text.delta":
+        deltas += ev.delta
+    elif ev.type in ("response.completed", "response.incomplete"):
+        final = ev.response.output_text
+out["responses_streamed_matches"] = bool(deltas) and deltas == final
 
 bad = {}
 

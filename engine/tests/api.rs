@@ -558,7 +558,7 @@ async fn tokenize_and_detokenize_answer_in_vllms_shapes() {
         ("/tokenize", json!({"prompt": "a", "messages": []}), 400, "exactly one"),
         ("/tokenize", json!({"prompt": "a", "model": "other"}), 404, "other"),
         ("/v1/embeddings", json!({"input": "a", "dimensions": 3}), 400, "dimensions"),
-        ("/v1/responses", json!({"input": "a"}), 501, "Responses API"),
+        ("/v1/responses", json!({"input": "a", "store": true}), 400, "not stored"),
     ] {
         let r = post(addr, path, &body).await;
         assert_eq!(r.status, status, "{path} {body}");
@@ -767,4 +767,80 @@ async fn forced_tool_calls_come_back_as_tool_calls_on_the_simulator() {
     }
     assert_eq!((name.as_str(), ids), ("get_weather", 1));
     valid("get_weather", &args);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_responses_api_answers_its_stateless_subset() {
+    let addr = spawn_engine(&[]).await;
+    // Whole: instructions + messages in, one message item with one output_text part out.
+    let body = json!({"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+                      "instructions": "be brief", "max_output_tokens": 6, "metadata": {"k": "v"}});
+    let r = post(addr, "/v1/responses", &body).await.json().await;
+    assert!(r["id"].as_str().unwrap().starts_with("resp_"), "{r}");
+    assert_eq!((r["object"].as_str(), r["metadata"]["k"].as_str()), (Some("response"), Some("v")));
+    let item = &r["output"][0];
+    assert_eq!((item["type"].as_str(), item["role"].as_str()), (Some("message"), Some("assistant")), "{r}");
+    let text = item["content"][0]["text"].as_str().unwrap();
+    assert_eq!(item["content"][0]["type"], "output_text");
+    assert!(r["usage"]["output_tokens"].as_u64().unwrap() <= 6 && r["usage"]["input_tokens"].as_u64().unwrap() > 2);
+    if r["usage"]["output_tokens"] == 6 {
+        assert_eq!(
+            (r["status"].as_str(), r["incomplete_details"]["reason"].as_str()),
+            (Some("incomplete"), Some("max_output_tokens"))
+        );
+    }
+    assert!(!text.is_empty());
+    // Streamed: the events in order, numbered, the deltas adding up to the final text.
+    let body = json!({"input": "hello", "max_output_tokens": 8, "stream": true, "seed": 3});
+    let resp = post(addr, "/v1/responses", &body).await;
+    let raw = resp.text().await;
+    let events: Vec<(String, serde_json::Value)> = raw
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let (kind, data) = e.split_once("\ndata: ").unwrap_or_else(|| panic!("{e:?}"));
+            (kind.trim_start_matches("event: ").to_string(), serde_json::from_str(data).unwrap())
+        })
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        &kinds[..4],
+        ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    );
+    let n = kinds.len();
+    assert_eq!(
+        &kinds[n - 4..n - 1],
+        ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    );
+    assert!(kinds[n - 1] == "response.completed" || kinds[n - 1] == "response.incomplete", "{kinds:?}");
+    for (i, (kind, data)) in events.iter().enumerate() {
+        assert_eq!((data["type"].as_str(), data["sequence_number"].as_u64()), (Some(kind.as_str()), Some(i as u64)));
+    }
+    let deltas: String = events
+        .iter()
+        .filter(|(k, _)| k == "response.output_text.delta")
+        .map(|(_, d)| d["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(events[n - 1].1["response"]["output"][0]["content"][0]["text"], deltas);
+    // Structured output through text.format.
+    let schema = json!({"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"]});
+    let body = json!({"input": "a number", "text": {"format": {"type": "json_schema", "name": "n", "schema": schema}}});
+    let r = post(addr, "/v1/responses", &body).await.json().await;
+    let v: serde_json::Value = serde_json::from_str(r["output"][0]["content"][0]["text"].as_str().unwrap()).unwrap();
+    assert!((0..=9).contains(&v["x"].as_i64().unwrap()), "{r}");
+    // What it does not do, by name.
+    for (body, param) in [
+        (json!({"input": "a", "previous_response_id": "resp_1"}), "previous_response_id"),
+        (json!({"input": "a", "tools": [{"type": "function", "name": "f"}]}), "tools"),
+        (json!({"input": [{"type": "function_call_output", "output": "1"}]}), "input[0]"),
+        (json!({"input": "a", "max_tokens": 5}), "max_tokens"),
+        (json!({"input": "a", "max_output_tokens": 0}), "max_output_tokens"),
+        (json!({"input": "a", "text": {"format": {"type": "json_schema"}}}), "text.format.schema"),
+        (json!({"input": "a", "messages": []}), "messages"),
+        (json!({}), "input"),
+    ] {
+        let r = post(addr, "/v1/responses", &body).await;
+        assert_eq!(r.status, 400, "{body}");
+        assert_eq!(r.json().await["error"]["param"], param, "{body}");
+    }
 }

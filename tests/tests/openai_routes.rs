@@ -383,6 +383,9 @@ async fn the_sdk_gets_structured_output_tool_calls_and_embeddings_from_the_cpu_m
     assert_eq!(r["required_call_valid"], true, "{r}");
     assert!(r["cos_cat_kitten"].as_f64().unwrap() > r["cos_cat_carburetor"].as_f64().unwrap(), "{r}");
     assert_eq!(r["n2"], 2, "{r}");
+    assert!(!r["responses_text"].as_str().unwrap().is_empty(), "{r}");
+    assert_eq!(r["responses_schema_valid"], true, "{r}");
+    assert_eq!(r["responses_streamed_matches"], true, "{r}");
     for case in ["malformed_schema", "unknown_tool", "n_over", "dimensions", "logit_bias", "auto_tools"] {
         assert_eq!(r["bad"][case]["status"], 400, "{case}: {r}");
     }

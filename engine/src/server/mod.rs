@@ -8,7 +8,7 @@
 //! | `POST /v1/chat/completions` | chat completion, streamed (SSE) or not; structured output ([`crate::structured`]), tools ([`tools`]) |
 //! | `POST /v1/embeddings` | mean-pooled, L2-normalized final hidden states (float or base64) |
 //! | `POST /tokenize`, `/detokenize` | vLLM's |
-//! | `POST /v1/responses` | 501, naming what is missing |
+//! | `POST /v1/responses` | the stateless subset of the Responses API ([`responses`]) |
 //! | `GET /metrics` | Prometheus text, vLLM names |
 //!
 //! A handler parses and validates the body, tokenizes, submits to the engine and turns
@@ -16,6 +16,7 @@
 //! the client disconnects, hyper drops the body, the stream's drop aborts the request.
 
 pub mod openai;
+pub mod responses;
 pub mod sse;
 pub mod tools;
 
@@ -105,12 +106,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/v1/embeddings", post(embeddings))
-        .route(
-            "/v1/responses",
-            post(|| {
-                not_implemented("the Responses API is not implemented by this engine yet; use /v1/chat/completions")
-            }),
-        )
+        .route("/v1/responses", post(responses::responses))
         .route("/metrics", get(metrics))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .fallback(|| async {
@@ -119,12 +115,6 @@ pub fn router(state: Arc<AppState>) -> Router {
         })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
-}
-
-/// 501 in the OpenAI shape for a route the engine knows and does not serve yet.
-async fn not_implemented(what: &'static str) -> Response {
-    let err = ApiError::InvalidRequest { param: None, message: what.into() };
-    (StatusCode::NOT_IMPLEMENTED, Json(err.body())).into_response()
 }
 
 /// `POST /tokenize` (vLLM's): `{prompt}` or `{messages}` (rendered with the chat template,
