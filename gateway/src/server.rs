@@ -93,9 +93,10 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
+    let work_stealing = config.work_stealing;
     let conf = ServerConf {
         threads,
-        work_stealing: config.work_stealing,
+        work_stealing,
         // pingora sleeps this long after closing the listeners; `drain` exits earlier
         // when nothing is left in flight.
         grace_period_seconds: Some(
@@ -184,7 +185,7 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     };
     server.add_service(background_service("config-reloader", reload::Reloader::new(state, config_path, certs.clone())));
     tracing::info!(listen = ?api_addr, admin_listen = %admin_addr, epp_listen = ?epp_addr, threads,
-        tls = certs.is_some(), "switchyard-gateway starting");
+        work_stealing, tls = certs.is_some(), "switchyard-gateway starting");
     // Lines a supervisor (or a test that asked for port 0) waits for: the sockets listen now.
     if let Some(addr) = epp_addr {
         println!("epp listening on grpc://{addr}");

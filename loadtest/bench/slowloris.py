@@ -28,7 +28,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gateway_vs_nginx as base  # noqa: E402  (shared process helpers)
+import procs as base  # noqa: E402  (shared process helpers)
 from bars import Bars, SetupError, run  # noqa: E402
 
 ROOT = base.ROOT
