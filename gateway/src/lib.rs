@@ -54,6 +54,7 @@ pub(crate) mod server;
 pub(crate) mod shared_limits;
 pub(crate) mod state;
 pub(crate) mod tls;
+pub(crate) mod upstream;
 
 pub use config::GatewayConfig;
 pub use server::run;

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
-use pingora::connectors::http::v1::Connector;
+use pingora::connectors::TransportConnector;
 
 use crate::access_log::AccessLog;
 use crate::admission::AdmissionQueue;
@@ -81,7 +81,7 @@ pub struct GatewayState {
     /// Config + policy + backends (shared with the scraper, which needs nothing else).
     pub active: Arc<ArcSwap<Active>>,
     /// Opens upstream connections (pingora; TCP, TLS).
-    pub connector: Connector,
+    pub connector: TransportConnector,
     /// Idle upstream connections for reuse.
     pub pool: crate::pool::UpstreamPool,
     /// Metrics.
@@ -135,7 +135,7 @@ impl GatewayState {
         Arc::new(GatewayState {
             prefix,
             active: Arc::new(ArcSwap::from_pointee(Active::new(config, cluster, auth))),
-            connector: Connector::new(Some(connector_options)),
+            connector: TransportConnector::new(Some(connector_options)),
             pool: crate::pool::UpstreamPool::new(UPSTREAM_MAX_IDLE, UPSTREAM_IDLE),
             bodies: BodyBudget::new(metrics.buffered_body_bytes.clone()),
             metrics,

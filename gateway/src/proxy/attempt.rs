@@ -13,9 +13,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
-use pingora::protocols::http::v1::client::HttpSession;
+use bytes::{Bytes, BytesMut};
 use pingora::protocols::http::ServerSession;
+use pingora::protocols::Stream;
 use pingora::upstreams::peer::HttpPeer;
 
 use crate::admission::Ticket;
@@ -24,6 +24,7 @@ use crate::config::GatewayConfig;
 use crate::error::{ProxyError, UpstreamErrorKind};
 use crate::policy::RouteInput;
 use crate::state::Active;
+use crate::upstream::{request_head, EngineConnection, EngineIoError, Forwarded, ResponseHead};
 
 use super::ctx::RequestCtx;
 use super::plan::RoutePlan;
@@ -134,8 +135,8 @@ impl ProxyApp {
             drop(ticket.take());
             let id = ctx.request_id.as_deref().unwrap_or("");
             match self.exchange(s, &backend, &ctx.path, body, &active.config, id).await {
-                Ok(up) if self.retry_status(&active, plan, ctx, pick.index, &up) => {}
-                Ok(up) => return self.stream(s, up, &active, pick.index, ctx, &mut inflight).await,
+                Ok((_, head)) if self.retry_status(&active, plan, ctx, pick.index, head.status) => {}
+                Ok((up, head)) => return self.stream(s, up, head, &active, pick.index, ctx, &mut inflight).await,
                 Err(AttemptError::Refused(error)) => return self.fail(s, error, ctx).await,
                 Err(AttemptError::ClientGone) => {
                     ctx.status = 499;
@@ -278,17 +279,9 @@ impl ProxyApp {
         Pick { index: chosen.index, uncached, work: chosen.pending_prefill_tokens + uncached }
     }
 
-    /// Whether the engine's answer `up` is a status to retry elsewhere, and a retry was
+    /// Whether the engine's answer `status` is one to retry elsewhere, and a retry was
     /// granted (then the answer and its connection are dropped: nothing reached the client).
-    fn retry_status(
-        &self,
-        active: &Active,
-        plan: &RoutePlan,
-        ctx: &mut RequestCtx,
-        index: usize,
-        up: &HttpSession,
-    ) -> bool {
-        let status = up.resp_header().map_or(0, |h| h.status.as_u16());
+    fn retry_status(&self, active: &Active, plan: &RoutePlan, ctx: &mut RequestCtx, index: usize, status: u16) -> bool {
         if !active.config.retries.retry_on_status.contains(&status) {
             return false;
         }
@@ -346,7 +339,7 @@ impl ProxyApp {
         body: &Bytes,
         cfg: &GatewayConfig,
         request_id: &str,
-    ) -> Result<HttpSession, AttemptError> {
+    ) -> Result<(EngineConnection, ResponseHead), AttemptError> {
         let Some(peer) = &backend.peer else {
             let error = ProxyError::Upstream(format!("{} does not resolve", backend.authority));
             return Err(AttemptError::Upstream(UpstreamErrorKind::Unresolved, error));
@@ -355,19 +348,17 @@ impl ProxyApp {
         // would otherwise be inlined into every request's state machine and copied when
         // pingora boxes it, so it gets its own box, on the rare path only.
         let pooled = self.state.pool.take(backend.pool_key, Instant::now());
-        let (mut up, reused) = match pooled {
-            Some(stream) => (HttpSession::new_with_options(stream, peer), true),
+        let (stream, reused) = match pooled {
+            Some(stream) => (stream, true),
             None => match Box::pin(connect(&self.state.connector, peer, cfg)).await {
-                Ok(x) => x,
+                Ok(stream) => (stream, false),
                 Err(e) => {
                     return Err(AttemptError::Upstream(UpstreamErrorKind::Connect, ProxyError::Upstream(e.to_string())))
                 }
             },
         };
-        // The connector does not carry the peer's read/write timeouts over to the session.
-        up.read_timeout = Some(cfg.timeouts.first_byte());
-        up.write_timeout = Some(cfg.timeouts.idle());
-        let fwd = super::Forwarded {
+        let mut up = EngineConnection::new(stream);
+        let fwd = Forwarded {
             peer: s.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip()),
             proto: if cfg.tls.is_some() { "https" } else { "http" },
             request_id,
@@ -375,20 +366,20 @@ impl ProxyApp {
         };
         // The query string goes too: the route's bytes reach the engine as the client sent them.
         let path = s.req_header().uri.path_and_query().map_or(path, |p| p.as_str());
-        let req = super::upstream_request(s.req_header(), path, &backend.authority, body.len(), &fwd)
+        let mut head = BytesMut::new();
+        request_head(&mut head, s.req_header(), path, &backend.authority, body.len(), &fwd)
             .map_err(|e| AttemptError::Refused(ProxyError::BadRequest(format!("cannot forward this request: {e}"))))?;
         let sent = async {
-            up.write_request_header(Box::new(req)).await?;
-            up.write_body(body).await?;
-            up.read_response().await.map(drop)
+            up.send(head, body, cfg.timeouts.idle()).await?;
+            up.read_head(cfg.timeouts.first_byte()).await
         };
         let result = tokio::select! {
             r = sent => r,
             _ = s.read_body_or_idle(true) => return Err(AttemptError::ClientGone),
         };
         let kind = match result {
-            Ok(()) => return Ok(up),
-            Err(e) if e.etype() == &pingora::ErrorType::ReadTimedout => {
+            Ok(head) => return Ok((up, head)),
+            Err(EngineIoError::ReadTimeout) => {
                 let error = ProxyError::UpstreamTimeout(cfg.timeouts.first_byte_ms);
                 return Err(AttemptError::Upstream(UpstreamErrorKind::FirstByteTimeout, error));
             }
@@ -403,14 +394,14 @@ impl ProxyApp {
 
 /// Open a new connection to `peer` with the configured timeouts.
 async fn connect(
-    connector: &pingora::connectors::http::v1::Connector,
+    connector: &pingora::connectors::TransportConnector,
     peer: &HttpPeer,
     cfg: &GatewayConfig,
-) -> pingora::Result<(HttpSession, bool)> {
+) -> pingora::Result<Stream> {
     let mut peer = peer.clone();
     peer.options.connection_timeout = Some(cfg.timeouts.connect());
     peer.options.total_connection_timeout = Some(cfg.timeouts.connect());
-    connector.get_http_session(&peer).await
+    connector.new_stream(&peer).await
 }
 
 /// The policy's choice among `candidates` (their position, and its reason). Policies that

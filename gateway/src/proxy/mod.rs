@@ -29,7 +29,6 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use pingora::apps::{HttpPersistentSettings, HttpServerApp, HttpServerOptions, ReusedHttpStream};
-use pingora::http::RequestHeader;
 use pingora::protocols::http::v2::server::{default_h2_options, H2Options};
 use pingora::protocols::http::{ReusableHttpStream, ServerSession};
 use pingora::server::ShutdownWatch;
@@ -41,7 +40,7 @@ use crate::body_budget::{BodyBudget, BodyReservation};
 use crate::cluster::BackendState;
 use crate::config::GatewayConfig;
 use crate::error::ProxyError;
-use crate::http::{respond, respond_with, EDGE_ONLY, HOP_BY_HOP, REQUEST_ID};
+use crate::http::{respond, respond_with, REQUEST_ID};
 use crate::request::check_head;
 use crate::shared_limits::{Fallback, Verdict};
 use crate::state::{Active, GatewayState};
@@ -587,115 +586,9 @@ async fn read_body(
     }
 }
 
-/// What the gateway tells an engine about where a request came from.
-pub(crate) struct Forwarded<'a> {
-    /// The client's address (appended to `X-Forwarded-For`).
-    pub peer: Option<std::net::IpAddr>,
-    /// `http` or `https`: how the client reached the gateway.
-    pub proto: &'static str,
-    /// `X-Request-Id`.
-    pub request_id: &'a str,
-    /// API keys are on: `Authorization` is the tenant's key to the gateway, not the engine's.
-    pub strip_authorization: bool,
-}
-
-/// The engine-bound request: the client's end-to-end headers — never hop-by-hop ones, nor
-/// those the client's `Connection` names, nor the edge's credentials ([`EDGE_ONLY`], and
-/// `Authorization` when keys are on) — plus our host, length, `X-Forwarded-For` (the
-/// client's chain with its address appended), `X-Forwarded-Proto` and `X-Request-Id`.
-fn upstream_request(
-    client: &RequestHeader,
-    path: &str,
-    authority: &str,
-    body_len: usize,
-    fwd: &Forwarded<'_>,
-) -> pingora::Result<RequestHeader> {
-    let mut req = RequestHeader::build("POST", path.as_bytes(), None)?;
-    let named: Vec<String> = client
-        .headers
-        .get_all("connection")
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|n| n.trim().to_ascii_lowercase())
-        .filter(|n| !n.is_empty())
-        .collect();
-    let mut chain: Option<String> = None;
-    for (name, value) in client.headers.iter() {
-        let n = name.as_str();
-        if n == "x-forwarded-for" {
-            let prior = value.to_str().unwrap_or("");
-            chain = Some(match chain {
-                Some(c) => format!("{c}, {prior}"),
-                None => prior.to_string(),
-            });
-            continue;
-        }
-        let dropped = HOP_BY_HOP.contains(&n)
-            || EDGE_ONLY.contains(&n)
-            || (fwd.strip_authorization && n == "authorization")
-            || n == "x-forwarded-proto"
-            || n == REQUEST_ID
-            || named.iter().any(|c| c == n);
-        if !dropped {
-            let _ = req.append_header(name.clone(), value.clone());
-        }
-    }
-    let _ = req.insert_header("host", authority);
-    let _ = req.insert_header("content-length", body_len.to_string());
-    if let Some(peer) = fwd.peer {
-        let xff = match chain.filter(|c| !c.trim().is_empty()) {
-            Some(c) => format!("{c}, {peer}"),
-            None => peer.to_string(),
-        };
-        let _ = req.insert_header("x-forwarded-for", xff);
-    }
-    let _ = req.insert_header("x-forwarded-proto", fwd.proto);
-    let _ = req.insert_header(REQUEST_ID, fwd.request_id);
-    Ok(req)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn engines_get_no_edge_credentials_and_learn_where_the_request_came_from() {
-        let mut client = RequestHeader::build("POST", b"/v1/completions", None).unwrap();
-        for (n, v) in [
-            ("authorization", "Bearer sk-tenant"),
-            ("proxy-authorization", "Basic x"),
-            ("cookie", "session=1"),
-            ("connection", "keep-alive, X-Secret"),
-            ("x-secret", "1"),
-            ("x-forwarded-for", "203.0.113.9"),
-            ("x-forwarded-proto", "ftp"),
-            ("x-request-id", "spoofed"),
-            ("x-keep", "yes"),
-        ] {
-            client.append_header(n, v).unwrap();
-        }
-        let fwd = Forwarded {
-            peer: Some("10.0.0.5".parse().unwrap()),
-            proto: "https",
-            request_id: "abc",
-            strip_authorization: true,
-        };
-        let up = upstream_request(&client, "/v1/completions", "engine:8000", 7, &fwd).unwrap();
-        let get = |n: &str| up.headers.get(n).map(|v| v.to_str().unwrap().to_string());
-        for gone in ["authorization", "proxy-authorization", "cookie", "connection", "x-secret"] {
-            assert_eq!(get(gone), None, "{gone} must not reach the engine");
-        }
-        assert_eq!(get("x-forwarded-for").as_deref(), Some("203.0.113.9, 10.0.0.5"));
-        assert_eq!(get("x-forwarded-proto").as_deref(), Some("https"));
-        assert_eq!(get("x-request-id").as_deref(), Some("abc"));
-        assert_eq!(get("x-keep").as_deref(), Some("yes"));
-        assert_eq!(get("host").as_deref(), Some("engine:8000"));
-        // Without API keys `Authorization` is the client's business with the engine.
-        let open = Forwarded { strip_authorization: false, ..fwd };
-        let up = upstream_request(&client, "/v1/completions", "engine:8000", 7, &open).unwrap();
-        assert!(up.headers.get("authorization").is_some());
-    }
 
     #[test]
     fn a_request_id_is_kept_when_sane_and_made_otherwise() {

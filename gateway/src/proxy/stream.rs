@@ -9,105 +9,72 @@
 use std::time::Instant;
 
 use bytes::BytesMut;
-use futures_util::FutureExt;
 use pingora::http::ResponseHeader;
-use pingora::protocols::http::v1::client::HttpSession;
+use pingora::prelude::fast_timeout::fast_timeout;
 use pingora::protocols::http::ServerSession;
 
 use crate::cluster::Backend;
 use crate::error::{ProxyError, UpstreamErrorKind};
-use crate::http::HOP_BY_HOP;
 use crate::state::Active;
+use crate::upstream::{EngineConnection, EngineIoError, Framing, Progress, ResponseHead};
 
 use super::attempt::InflightGuard;
 use super::ctx::RequestCtx;
 use super::ProxyApp;
 
-/// Largest coalesced write.
-const COALESCE_BYTES: usize = 64 * 1024;
-
-/// Where an upstream response body stands after a read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Body {
-    /// More may come.
-    More,
-    /// The body ended.
-    Ended,
-}
-
-/// The client-bound head for the engine's `upstream` head: its status and end-to-end
-/// headers. Also whether the engine gave a length, and whether the body is an SSE stream.
-fn response_head(upstream: &ResponseHeader) -> Option<(ResponseHeader, bool, bool)> {
-    let mut resp = ResponseHeader::build(upstream.status.as_u16(), None).ok()?;
-    let (mut has_length, mut is_sse) = (false, false);
-    for (name, value) in upstream.headers.iter() {
-        let n = name.as_str();
-        if n == "content-length" {
-            has_length = true;
-        } else if HOP_BY_HOP.contains(&n) {
-            continue;
-        }
-        if n == "content-type" && value.as_bytes().starts_with(b"text/event-stream") {
-            is_sse = true;
-        }
+/// The client-bound head for the engine's `head`: its status and end-to-end headers (the
+/// parser dropped the hop-by-hop ones and the length).
+fn response_head(head: &ResponseHead) -> Option<ResponseHeader> {
+    let mut resp = ResponseHeader::build_no_case(head.status, Some(head.headers.len() + 3)).ok()?;
+    for (name, value) in &head.headers {
         let _ = resp.append_header(name.clone(), value.clone());
     }
-    Some((resp, has_length, is_sse))
+    Some(resp)
 }
 
-/// The body bytes already taken when the head was sent, where the body stood then, and
-/// whether it is an SSE stream.
-type Started = (BytesMut, pingora::Result<Body>, bool);
+/// The body bytes already taken when the head was sent, and where the body stood then.
+type Started = (BytesMut, Result<Progress, EngineIoError>);
 
 impl ProxyApp {
-    /// Stream `up`'s response (header already read) from backend `index` to the client;
+    /// Stream `up`'s response (its `head` already read) from backend `index` to the client;
     /// true when the client connection may be reused.
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn stream(
         &self,
         s: &mut ServerSession,
-        mut up: HttpSession,
+        mut up: EngineConnection,
+        head: ResponseHead,
         active: &Active,
         index: usize,
         ctx: &mut RequestCtx,
         inflight: &mut InflightGuard,
     ) -> bool {
-        // `up` stays in this frame: it is large, and moving it costs a copy each time.
-        let Some((mut buf, mut next, is_sse)) = self.send_head(s, &mut up, active, index, ctx).await else {
+        let is_sse = head.is_sse;
+        let Some((mut buf, mut next)) = self.send_head(s, &mut up, head, active, index, ctx).await else {
             return false;
         };
-        up.read_timeout = Some(active.config.timeouts.idle());
+        let idle = active.config.timeouts.idle();
         let backend = &active.cluster.backends[index];
         loop {
-            let end = matches!(next, Ok(Body::Ended));
+            let end = matches!(next, Ok(Progress::Ended));
             if (!buf.is_empty() || end) && !self.forward(s, &mut buf, end, backend, ctx, inflight).await {
                 return false;
             }
             match next {
-                Ok(Body::More) => {}
-                Ok(Body::Ended) => {
+                Ok(Progress::More) => {}
+                Ok(Progress::Ended) => {
                     self.release(up, active, index);
                     return true;
                 }
                 Err(e) => return self.broken(s, &e, is_sse, active, index, ctx).await,
             }
-            let read = tokio::select! {
-                r = up.read_body_ref() => r.map(|chunk| match chunk {
-                    Some(chunk) => {
-                        ctx.chunks += 1;
-                        buf.extend_from_slice(chunk);
-                        Body::More
-                    }
-                    None => Body::Ended,
-                }),
+            next = tokio::select! {
+                r = fast_timeout(idle, up.read_body(&mut buf)) => r.unwrap_or(Err(EngineIoError::ReadTimeout)),
                 _ = s.read_body_or_idle(true) => {
                     // The client left: dropping `up` closes the engine connection (abort).
                     ctx.client_gone();
                     return false;
                 }
-            };
-            next = match read {
-                Ok(Body::More) => take_ready(&mut up, &mut buf, &mut ctx.chunks),
-                other => other,
             };
         }
     }
@@ -118,26 +85,26 @@ impl ProxyApp {
     async fn send_head(
         &self,
         s: &mut ServerSession,
-        up: &mut HttpSession,
+        up: &mut EngineConnection,
+        head: ResponseHead,
         active: &Active,
         index: usize,
         ctx: &mut RequestCtx,
     ) -> Option<Started> {
-        let upstream = up.resp_header()?;
-        ctx.status = upstream.status.as_u16();
+        ctx.status = head.status;
         if ctx.status >= 500 {
             let detail = format!("status {}", ctx.status);
             self.upstream_failed(active, Some(index), UpstreamErrorKind::Status5xx, &detail);
         } else {
             active.cluster.backends[index].record_success();
         }
-        let (mut resp, mut has_length, is_sse) = response_head(upstream)?;
-        ctx.sse = is_sse;
-        if ctx.writeback.is_some() && has_length {
-            // The alias written back changes the length.
-            resp.remove_header("content-length");
-            has_length = false;
-        }
+        ctx.sse = head.is_sse;
+        // The alias written back changes the length: the engine's is not kept then.
+        let engine_length = match head.framing {
+            Framing::Length(n) if ctx.writeback.is_none() => Some(n),
+            _ => None,
+        };
+        let mut resp = response_head(&head)?;
         if let Some(id) = &ctx.request_id {
             let _ = resp.insert_header(crate::http::REQUEST_ID, id.as_str());
         }
@@ -146,23 +113,25 @@ impl ProxyApp {
         // pingora then holds the header until the body is written and both go out in one
         // write. Otherwise it is chunked and pingora flushes the header at once.
         let mut buf = BytesMut::with_capacity(4096);
-        let next = take_ready(up, &mut buf, &mut ctx.chunks);
-        if matches!(next, Ok(Body::Ended)) {
+        let next = up.take_buffered(&mut buf);
+        if matches!(next, Ok(Progress::Ended)) {
             // The whole body is here: written back now, so its length is known.
             if let Some(mut w) = ctx.writeback.take() {
                 buf = BytesMut::from(&w.apply(&buf, true)[..]);
             }
         }
-        if !has_length && matches!(next, Ok(Body::Ended)) {
-            let _ = resp.insert_header("content-length", buf.len().to_string());
-        } else if !has_length && !s.is_http2() {
+        if let Some(n) = engine_length {
+            let _ = resp.insert_header("content-length", itoa::Buffer::new().format(n));
+        } else if matches!(next, Ok(Progress::Ended)) {
+            let _ = resp.insert_header("content-length", itoa::Buffer::new().format(buf.len()));
+        } else if !s.is_http2() {
             let _ = resp.insert_header("transfer-encoding", "chunked");
         }
         if s.write_response_header(Box::new(resp)).await.is_err() {
             ctx.client_gone();
             return None;
         }
-        Some((buf, next, is_sse))
+        Some((buf, next))
     }
 
     /// The engine failed mid-response: count it, and end an SSE stream with the OpenAI
@@ -170,13 +139,13 @@ impl ProxyApp {
     async fn broken(
         &self,
         s: &mut ServerSession,
-        e: &pingora::Error,
+        e: &EngineIoError,
         is_sse: bool,
         active: &Active,
         index: usize,
         ctx: &mut RequestCtx,
     ) -> bool {
-        let kind = if e.etype() == &pingora::ErrorType::ReadTimedout {
+        let kind = if matches!(e, EngineIoError::ReadTimeout) {
             UpstreamErrorKind::IdleTimeout
         } else {
             UpstreamErrorKind::StreamBroken
@@ -216,6 +185,7 @@ impl ProxyApp {
             self.state.metrics.ttft.with_label_values(&[backend.url.as_str()]).observe(t.as_secs_f64());
         }
         ctx.response_bytes += buf.len();
+        ctx.chunks += 1;
         if ctx.charged.is_some() {
             ctx.usage.observe(buf);
         }
@@ -227,32 +197,9 @@ impl ProxyApp {
     }
 
     /// A response that ended cleanly leaves its connection to the pool.
-    fn release(&self, mut up: HttpSession, active: &Active, index: usize) {
-        if !up.is_body_done() {
-            return;
-        }
-        up.respect_keepalive();
-        // Completes at once for a finished body (kept out of the request's future, where it
-        // would add 2 KB); if not, the connection closes.
-        if let Some(Some(stream)) = up.reuse().now_or_never() {
+    fn release(&self, up: EngineConnection, active: &Active, index: usize) {
+        if let Some(stream) = up.into_reusable() {
             self.state.pool.put(active.cluster.backends[index].pool_key, stream, Instant::now());
         }
     }
-}
-
-/// Append to `buf` every body chunk the upstream has already delivered (polled without
-/// waiting, copied straight out of pingora's read buffer), up to [`COALESCE_BYTES`].
-fn take_ready(up: &mut HttpSession, buf: &mut BytesMut, chunks: &mut usize) -> pingora::Result<Body> {
-    while buf.len() < COALESCE_BYTES {
-        match up.read_body_ref().now_or_never() {
-            Some(Ok(Some(chunk))) => {
-                *chunks += 1;
-                buf.extend_from_slice(chunk);
-            }
-            Some(Ok(None)) => return Ok(Body::Ended),
-            Some(Err(e)) => return Err(e),
-            None => break,
-        }
-    }
-    Ok(Body::More)
 }

@@ -1,0 +1,307 @@
+//! An engine response body's framing, decoded incrementally (RFC 9112 §6–7).
+//!
+//! [`BodyDecoder::decode`] takes whatever bytes have arrived, moves the body's data into the
+//! client-bound buffer and keeps the framing (chunk sizes, CRLFs, trailers) to itself; bytes
+//! that cannot be decoded yet (half a chunk-size line) stay in the input for the next read.
+//! Pure: no I/O, so every split of the input is testable.
+
+use bytes::{Buf, BytesMut};
+
+/// The longest chunk-size line (size, extensions) or trailer line accepted.
+const MAX_LINE: usize = 4096;
+/// The most trailer bytes accepted (trailers are read and dropped).
+const MAX_TRAILERS: usize = 16 * 1024;
+
+/// How the body's end is known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// `Content-Length`.
+    Length(u64),
+    /// `Transfer-Encoding: chunked`.
+    Chunked,
+    /// Until the engine closes the connection (HTTP/1.0 style; never reusable).
+    UntilClose,
+}
+
+/// A body the engine framed wrongly.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BodyError {
+    #[error("invalid chunk size line")]
+    ChunkSize,
+    #[error("a chunk's data is not followed by CRLF")]
+    ChunkEnd,
+    #[error("chunk size or trailer line longer than {MAX_LINE} bytes")]
+    LineTooLong,
+    #[error("trailers longer than {MAX_TRAILERS} bytes")]
+    TrailersTooLong,
+    #[error("the connection closed {0} bytes before the body's end")]
+    Truncated(u64),
+    #[error("the connection closed inside a chunk")]
+    TruncatedChunk,
+}
+
+/// Where a chunked body's decoding stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Chunk {
+    /// At a chunk-size line.
+    Size,
+    /// Inside a chunk's data, this many bytes left.
+    Data(u64),
+    /// After a chunk's data, at its CRLF.
+    DataEnd,
+    /// After the last chunk, in the trailer section (bytes of it seen so far).
+    Trailers(usize),
+}
+
+/// Where the body stands after a [`BodyDecoder::decode`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// More is to come.
+    More,
+    /// The body ended (the framing said so).
+    Ended,
+}
+
+/// Decodes one response body.
+#[derive(Debug)]
+pub struct BodyDecoder {
+    state: State,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum State {
+    Length(u64),
+    Chunked(Chunk),
+    UntilClose,
+    Done,
+}
+
+impl BodyDecoder {
+    /// A decoder for a body framed by `framing`.
+    pub fn new(framing: Framing) -> Self {
+        let state = match framing {
+            Framing::Length(0) => State::Done,
+            Framing::Length(n) => State::Length(n),
+            Framing::Chunked => State::Chunked(Chunk::Size),
+            Framing::UntilClose => State::UntilClose,
+        };
+        BodyDecoder { state }
+    }
+
+    /// Whether the body has ended.
+    pub fn is_done(&self) -> bool {
+        matches!(self.state, State::Done)
+    }
+
+    /// Move the body data `input` holds into `out`, consuming the framing; what cannot be
+    /// decoded yet stays in `input`. Bytes after the body's end stay in `input` too.
+    pub fn decode(&mut self, input: &mut BytesMut, out: &mut BytesMut) -> Result<Progress, BodyError> {
+        loop {
+            match self.state {
+                State::Done => return Ok(Progress::Ended),
+                State::UntilClose => {
+                    out.extend_from_slice(input);
+                    input.clear();
+                    return Ok(Progress::More);
+                }
+                State::Length(left) => {
+                    let n = take(input, out, left);
+                    if n < left {
+                        // `input` is empty: the rest is still to come.
+                        self.state = State::Length(left - n);
+                        return Ok(Progress::More);
+                    }
+                    self.state = State::Done;
+                }
+                State::Chunked(chunk) => match self.chunked(chunk, input, out)? {
+                    Some(next) => self.state = next,
+                    None => return Ok(Progress::More),
+                },
+            }
+        }
+    }
+
+    /// The engine closed the connection: fine for a body read until close (then it has
+    /// ended), an error for a body whose framing says more was to come.
+    pub fn eof(&mut self) -> Result<(), BodyError> {
+        match self.state {
+            State::Done => Ok(()),
+            State::UntilClose => {
+                self.state = State::Done;
+                Ok(())
+            }
+            State::Length(left) => Err(BodyError::Truncated(left)),
+            State::Chunked(_) => Err(BodyError::TruncatedChunk),
+        }
+    }
+
+    /// One step of chunked decoding from `chunk`: the next state, or `None` when `input`
+    /// holds too little to go on.
+    fn chunked(&mut self, chunk: Chunk, input: &mut BytesMut, out: &mut BytesMut) -> Result<Option<State>, BodyError> {
+        Ok(Some(match chunk {
+            Chunk::Size => {
+                let Some(line) = line(input)? else { return Ok(None) };
+                let size = chunk_size(&input[..line])?;
+                input.advance(line + 2);
+                State::Chunked(if size == 0 { Chunk::Trailers(0) } else { Chunk::Data(size) })
+            }
+            Chunk::Data(left) => {
+                if input.is_empty() {
+                    return Ok(None);
+                }
+                let n = take(input, out, left);
+                State::Chunked(if n == left { Chunk::DataEnd } else { Chunk::Data(left - n) })
+            }
+            Chunk::DataEnd => {
+                if input.len() < 2 {
+                    if input.first().is_some_and(|&b| b != b'\r') {
+                        return Err(BodyError::ChunkEnd);
+                    }
+                    return Ok(None);
+                }
+                if &input[..2] != b"\r\n" {
+                    return Err(BodyError::ChunkEnd);
+                }
+                input.advance(2);
+                State::Chunked(Chunk::Size)
+            }
+            Chunk::Trailers(seen) => {
+                let Some(line) = line(input)? else { return Ok(None) };
+                input.advance(line + 2);
+                if line == 0 {
+                    State::Done
+                } else if seen + line + 2 > MAX_TRAILERS {
+                    return Err(BodyError::TrailersTooLong);
+                } else {
+                    State::Chunked(Chunk::Trailers(seen + line + 2))
+                }
+            }
+        }))
+    }
+}
+
+/// Move up to `left` bytes from the front of `input` to `out`; how many moved.
+fn take(input: &mut BytesMut, out: &mut BytesMut, left: u64) -> u64 {
+    let n = input.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+    out.extend_from_slice(&input[..n]);
+    input.advance(n);
+    n as u64
+}
+
+/// The length of the CRLF-terminated line at the front of `input` (without its CRLF), or
+/// `None` when its end has not arrived.
+fn line(input: &[u8]) -> Result<Option<usize>, BodyError> {
+    match memchr::memchr(b'\n', input) {
+        Some(0) => Err(BodyError::ChunkSize),
+        Some(i) if input[i - 1] == b'\r' => Ok(Some(i - 1)),
+        Some(_) => Err(BodyError::ChunkSize),
+        None if input.len() > MAX_LINE => Err(BodyError::LineTooLong),
+        None => Ok(None),
+    }
+}
+
+/// A chunk-size line's size: hex digits, then optional whitespace and `;extensions`.
+fn chunk_size(line: &[u8]) -> Result<u64, BodyError> {
+    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    if digits == 0 || digits > 15 {
+        return Err(BodyError::ChunkSize);
+    }
+    let rest = &line[digits..];
+    let rest_ok = rest.iter().position(|&b| b != b' ' && b != b'\t').is_none_or(|i| rest[i] == b';');
+    if !rest_ok {
+        return Err(BodyError::ChunkSize);
+    }
+    let hex = std::str::from_utf8(&line[..digits]).map_err(|_| BodyError::ChunkSize)?;
+    u64::from_str_radix(hex, 16).map_err(|_| BodyError::ChunkSize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Decode `wire` fed in pieces of `step` bytes: the data, and whether it ended.
+    fn decode_in_steps(framing: Framing, wire: &[u8], step: usize) -> (Vec<u8>, Result<Progress, BodyError>, usize) {
+        let mut d = BodyDecoder::new(framing);
+        let (mut input, mut out) = (BytesMut::new(), BytesMut::new());
+        let mut last = Ok(Progress::More);
+        for piece in wire.chunks(step.max(1)) {
+            input.extend_from_slice(piece);
+            last = d.decode(&mut input, &mut out);
+            if last.is_err() {
+                break;
+            }
+        }
+        (out.to_vec(), last, input.len())
+    }
+
+    #[test]
+    fn chunked_bodies_decode_the_same_however_they_are_split() {
+        let wire =
+            b"5\r\nhello\r\n7;ext=1\r\n, world\r\n1A \r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nx-trailer: 1\r\n\r\n";
+        for step in 1..wire.len() + 1 {
+            let (data, progress, left) = decode_in_steps(Framing::Chunked, wire, step);
+            assert_eq!(data, b"hello, worldabcdefghijklmnopqrstuvwxyz", "step {step}");
+            assert_eq!(progress, Ok(Progress::Ended), "step {step}");
+            assert_eq!(left, 0);
+        }
+    }
+
+    #[test]
+    fn bytes_after_the_body_stay_in_the_input() {
+        let (data, progress, left) = decode_in_steps(Framing::Chunked, b"2\r\nhi\r\n0\r\n\r\nHTTP/1.1 200", 64);
+        assert_eq!((data.as_slice(), progress, left), (&b"hi"[..], Ok(Progress::Ended), 12));
+        let (data, progress, left) = decode_in_steps(Framing::Length(3), b"abcdef", 64);
+        assert_eq!((data.as_slice(), progress, left), (&b"abc"[..], Ok(Progress::Ended), 3));
+    }
+
+    #[test]
+    fn length_and_close_framed_bodies() {
+        for step in 1..8 {
+            let (data, progress, _) = decode_in_steps(Framing::Length(7), b"1234567", step);
+            assert_eq!((data.as_slice(), progress), (&b"1234567"[..], Ok(Progress::Ended)));
+        }
+        let d = BodyDecoder::new(Framing::Length(0));
+        assert!(d.is_done());
+        let mut d = BodyDecoder::new(Framing::UntilClose);
+        let (mut input, mut out) = (BytesMut::from(&b"abc"[..]), BytesMut::new());
+        assert_eq!(d.decode(&mut input, &mut out), Ok(Progress::More));
+        assert_eq!(d.eof(), Ok(()));
+        assert!(d.is_done());
+        assert_eq!(&out[..], b"abc");
+    }
+
+    #[test]
+    fn a_body_cut_short_is_an_error_at_eof() {
+        let mut d = BodyDecoder::new(Framing::Length(10));
+        let (mut input, mut out) = (BytesMut::from(&b"abc"[..]), BytesMut::new());
+        assert_eq!(d.decode(&mut input, &mut out), Ok(Progress::More));
+        assert_eq!(d.eof(), Err(BodyError::Truncated(7)));
+        let mut d = BodyDecoder::new(Framing::Chunked);
+        let (mut input, mut out) = (BytesMut::from(&b"5\r\nab"[..]), BytesMut::new());
+        assert_eq!(d.decode(&mut input, &mut out), Ok(Progress::More));
+        assert_eq!(d.eof(), Err(BodyError::TruncatedChunk));
+    }
+
+    #[test]
+    fn malformed_framing_is_refused() {
+        for (wire, err) in [
+            (&b"zz\r\n"[..], BodyError::ChunkSize),
+            (b"\r\n", BodyError::ChunkSize),
+            (b"5\n", BodyError::ChunkSize),
+            (b"5 x\r\n", BodyError::ChunkSize),
+            (b"1234567890abcdef0\r\n", BodyError::ChunkSize),
+            (b"2\r\nhiX", BodyError::ChunkEnd),
+            (b"2\r\nhi\rX", BodyError::ChunkEnd),
+        ] {
+            let (_, progress, _) = decode_in_steps(Framing::Chunked, wire, 64);
+            assert_eq!(progress, Err(err), "{:?}", String::from_utf8_lossy(wire));
+        }
+        let long = vec![b'1'; MAX_LINE + 1];
+        assert_eq!(decode_in_steps(Framing::Chunked, &long, MAX_LINE + 1).1, Err(BodyError::LineTooLong));
+        let mut trailers = b"0\r\n".to_vec();
+        for _ in 0..1000 {
+            trailers.extend_from_slice(b"x-filler: 0123456789\r\n");
+        }
+        assert_eq!(decode_in_steps(Framing::Chunked, &trailers, 4096).1, Err(BodyError::TrailersTooLong));
+    }
+}
