@@ -83,8 +83,7 @@ pub(crate) fn request_head(
         for c in &prior {
             put(out, &[c, b", "]);
         }
-        use std::fmt::Write;
-        let _ = write!(out, "{peer}");
+        put_ip(out, peer);
         out.put_slice(b"\r\n");
     }
     put(out, &[b"x-forwarded-proto: ", fwd.proto.as_bytes(), b"\r\n"]);
@@ -93,6 +92,25 @@ pub(crate) fn request_head(
     }
     out.put_slice(b"\r\n");
     Ok(())
+}
+
+/// An address as `Display` writes it; IPv4 (the common case) without the formatter.
+fn put_ip(out: &mut BytesMut, ip: std::net::IpAddr) {
+    match ip {
+        std::net::IpAddr::V4(v4) => {
+            let mut digits = itoa::Buffer::new();
+            for (i, octet) in v4.octets().into_iter().enumerate() {
+                if i > 0 {
+                    out.put_u8(b'.');
+                }
+                out.put_slice(digits.format(octet).as_bytes());
+            }
+        }
+        std::net::IpAddr::V6(_) => {
+            use std::fmt::Write;
+            let _ = write!(out, "{ip}");
+        }
+    }
 }
 
 fn put(out: &mut BytesMut, parts: &[&[u8]]) {
@@ -273,6 +291,16 @@ mod tests {
         // Without API keys `Authorization` is the client's business with the engine.
         let open = Forwarded { strip_authorization: false, ..fwd };
         assert_eq!(get(&written(&req, &open).1, "authorization"), ["Bearer sk-tenant"]);
+    }
+
+    #[test]
+    fn addresses_are_written_as_display_writes_them() {
+        for ip in ["0.0.0.0", "10.0.0.5", "255.255.255.255", "192.168.100.9", "::1", "2001:db8::8a2e:370:7334"] {
+            let ip: std::net::IpAddr = ip.parse().unwrap();
+            let mut out = BytesMut::new();
+            put_ip(&mut out, ip);
+            assert_eq!(&out[..], ip.to_string().as_bytes());
+        }
     }
 
     #[test]
