@@ -77,7 +77,8 @@ pub(crate) struct RequestCtx {
     pub request_bytes: usize,
     /// Response body bytes.
     pub response_bytes: usize,
-    /// Upstream body chunks read.
+    /// Response body writes to the client (each carries every body byte the engine had
+    /// sent by then, so one write may hold several SSE events).
     pub chunks: usize,
     /// Retries on other backends.
     pub retries: u32,

@@ -8,6 +8,10 @@
 //! (`delta.reasoning_content`), a tool call (`delta.tool_calls`) or log probabilities. It keeps
 //! at most one partial event between chunks and stops looking once it has answered.
 
+use std::sync::LazyLock;
+
+use memchr::memmem::Finder;
+
 /// The longest partial event kept between chunks; past it the stream counts as content
 /// (nothing legitimate sends a first event this large without content).
 const MAX_PENDING_BYTES: usize = 64 * 1024;
@@ -67,29 +71,41 @@ fn event_has_content(event: &[u8]) -> bool {
         // Not JSON (an engine's own format): count it, as the first byte counted before.
         return true;
     }
-    // Does any occurrence of key `k` (quoted, then a colon) have a value `ok` accepts?
-    let keys = &*CONTENT_KEYS;
-    let any = |k: usize, ok: &dyn Fn(&[u8]) -> bool| {
-        let key = &keys[k];
+    // Does any occurrence of `key` (quoted, then a colon) have a value `ok` accepts?
+    let any = |key: &Finder<'static>, ok: &dyn Fn(&[u8]) -> bool| {
         key.find_iter(data).any(|at| {
             let tail = data[at + key.needle().len()..].trim_ascii_start();
             tail.strip_prefix(b":").is_some_and(|v| ok(v.trim_ascii_start()))
         })
     };
     let nonempty_string = |v: &[u8]| v.len() > 1 && v[0] == b'"' && v[1] != b'"';
-    any(0, &nonempty_string)
-        || any(1, &nonempty_string)
-        || any(2, &nonempty_string)
-        || any(3, &|v| v.starts_with(b"[") && !v[1..].trim_ascii_start().starts_with(b"]"))
-        || any(4, &|v| !v.starts_with(b"null"))
-        || any(5, &|v| v.starts_with(b"{"))
+    let keys = &*CONTENT_KEYS;
+    any(&keys.content, &nonempty_string)
+        || any(&keys.text, &nonempty_string)
+        || any(&keys.reasoning_content, &nonempty_string)
+        || any(&keys.tool_calls, &|v| v.starts_with(b"[") && !v[1..].trim_ascii_start().starts_with(b"]"))
+        || any(&keys.logprobs, &|v| !v.starts_with(b"null"))
+        || any(&keys.error, &|v| v.starts_with(b"{"))
 }
 
-/// The keys [`event_has_content`] looks for, their searchers built once (building one per
-/// call was a third of its cost). Immutable after first use.
-static CONTENT_KEYS: std::sync::LazyLock<[memchr::memmem::Finder<'static>; 6]> = std::sync::LazyLock::new(|| {
-    [&b"\"content\""[..], b"\"text\"", b"\"reasoning_content\"", b"\"tool_calls\"", b"\"logprobs\"", b"\"error\""]
-        .map(memchr::memmem::Finder::new)
+/// The quoted keys [`event_has_content`] looks for, with their searchers built once
+/// (building one per call was a third of its cost). Immutable after first use.
+struct ContentKeys {
+    content: Finder<'static>,
+    text: Finder<'static>,
+    reasoning_content: Finder<'static>,
+    tool_calls: Finder<'static>,
+    logprobs: Finder<'static>,
+    error: Finder<'static>,
+}
+
+static CONTENT_KEYS: LazyLock<ContentKeys> = LazyLock::new(|| ContentKeys {
+    content: Finder::new(b"\"content\""),
+    text: Finder::new(b"\"text\""),
+    reasoning_content: Finder::new(b"\"reasoning_content\""),
+    tool_calls: Finder::new(b"\"tool_calls\""),
+    logprobs: Finder::new(b"\"logprobs\""),
+    error: Finder::new(b"\"error\""),
 });
 
 #[cfg(test)]
