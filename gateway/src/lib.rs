@@ -27,6 +27,7 @@ pub(crate) mod access_log;
 pub(crate) mod admin;
 pub(crate) mod admission;
 pub mod aliases;
+pub mod alloc;
 pub(crate) mod auth;
 pub(crate) mod body_budget;
 pub(crate) mod cluster;

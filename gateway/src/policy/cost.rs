@@ -37,7 +37,7 @@
 
 use serde::Deserialize;
 
-use super::{argmin_random_tie, check_number, load_score, Candidate, Decision, LoadWeights, Policy, RouteInput};
+use super::{argmin_among, check_number, load_score, Candidate, Decision, LoadWeights, Policy, RouteInput};
 
 /// Knobs of `cost`.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -110,30 +110,26 @@ impl Policy for Cost {
     fn select(&self, input: &RouteInput<'_>, c: &[Candidate], rng: &mut dyn rand::RngCore) -> Decision {
         let cfg = &self.0;
         let fresh = c.iter().all(|x| x.signal.is_some());
-        let learned: Vec<f64> = c.iter().map(|x| x.prefill_tokens_per_s).filter(|r| *r > 0.0).collect();
-        let default_rate = if learned.is_empty() {
-            cfg.prefill_tokens_per_s
-        } else {
-            learned.iter().sum::<f64>() / learned.len() as f64
-        };
+        let (sum, learned) = c
+            .iter()
+            .map(|x| x.prefill_tokens_per_s)
+            .filter(|r| *r > 0.0)
+            .fold((0.0, 0usize), |(sum, n), r| (sum + r, n + 1));
+        let default_rate = if learned == 0 { cfg.prefill_tokens_per_s } else { sum / learned as f64 };
         // A learned rate counts only within ±10% of the mean: a backend that learned a low
         // rate while busy would otherwise get no traffic, hence no new samples, ever.
-        let ttft: Vec<f64> = c
-            .iter()
-            .map(|x| {
-                let mut x = *x;
-                if x.prefill_tokens_per_s > 0.0 {
-                    x.prefill_tokens_per_s = x.prefill_tokens_per_s.clamp(0.9 * default_rate, 1.1 * default_rate);
-                }
-                cfg.predicted_ttft_ms(input, &x, fresh, default_rate)
-            })
-            .collect();
-        let best = ttft.iter().copied().fold(f64::INFINITY, f64::min);
+        let ttft = |i: usize| {
+            let mut x = c[i];
+            if x.prefill_tokens_per_s > 0.0 {
+                x.prefill_tokens_per_s = x.prefill_tokens_per_s.clamp(0.9 * default_rate, 1.1 * default_rate);
+            }
+            cfg.predicted_ttft_ms(input, &x, fresh, default_rate)
+        };
+        let best = (0..c.len()).map(ttft).fold(f64::INFINITY, f64::min);
         // Among the near-best predictions, the least loaded.
         let slack = cfg.tie_epsilon_ms.max(best * cfg.tie_ratio);
-        let near: Vec<usize> = (0..c.len()).filter(|&i| ttft[i] <= best + slack).collect();
-        let near_candidates: Vec<Candidate> = near.iter().map(|&i| c[i]).collect();
-        let pick = near[argmin_random_tie(&near_candidates, rng, |x| load_score(&cfg.weights, x, fresh))];
+        let near = (0..c.len()).filter(|&i| ttft(i) <= best + slack);
+        let pick = argmin_among(near, rng, |i| load_score(&cfg.weights, &c[i], fresh)).unwrap_or(0);
         let reason = match (fresh, c[pick].matched_tokens > 0) {
             (false, _) => "stale_signal_fallback",
             (true, true) => "prefix_hit",

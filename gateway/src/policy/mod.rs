@@ -187,21 +187,32 @@ pub(crate) fn argmin_random_tie<K: PartialOrd + Copy>(
     rng: &mut dyn rand::RngCore,
     key: impl Fn(&Candidate) -> K,
 ) -> usize {
-    let mut best = 0;
-    let mut ties = 1u32;
-    for i in 1..candidates.len() {
-        let (k, b) = (key(&candidates[i]), key(&candidates[best]));
-        if k < b {
-            best = i;
-            ties = 1;
-        } else if k == b {
+    argmin_among(0..candidates.len(), rng, |i| key(&candidates[i])).unwrap_or(0)
+}
+
+/// The position among `positions` with the least `key`, ties broken uniformly at random
+/// (reservoir sampling: the k-th tie replaces the pick with probability 1/k); `None` when
+/// `positions` is empty. Allocates nothing.
+pub(crate) fn argmin_among<K: PartialOrd + Copy>(
+    positions: impl IntoIterator<Item = usize>,
+    rng: &mut dyn rand::RngCore,
+    key: impl Fn(usize) -> K,
+) -> Option<usize> {
+    let mut positions = positions.into_iter();
+    let first = positions.next()?;
+    let (mut best, mut best_key, mut ties) = (first, key(first), 1u32);
+    for i in positions {
+        let k = key(i);
+        if k < best_key {
+            (best, best_key, ties) = (i, k, 1);
+        } else if k == best_key {
             ties += 1;
             if rng.random_range(0..ties) == 0 {
                 best = i;
             }
         }
     }
-    best
+    Some(best)
 }
 
 struct RandomPolicy;

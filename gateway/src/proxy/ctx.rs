@@ -5,6 +5,7 @@
 //! routing reason) live in one struct, filled in as the phases run and read once by
 //! [`super::ProxyApp::finish`].
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -40,9 +41,9 @@ pub(crate) struct RequestCtx {
     /// When the head was read.
     pub started: Instant,
     /// Request method.
-    pub method: String,
+    pub method: Cow<'static, str>,
     /// Request path (no query).
-    pub path: String,
+    pub path: Cow<'static, str>,
     /// Status sent (0 until one is; 499: the client left).
     pub status: u16,
     /// Requested (or defaulted) model.
@@ -95,8 +96,8 @@ impl RequestCtx {
     pub fn new(method: &str, path: &str) -> Self {
         RequestCtx {
             started: Instant::now(),
-            method: method.to_string(),
-            path: path.to_string(),
+            method: common(method),
+            path: common(path),
             status: 0,
             model: None,
             stream: false,
@@ -134,7 +135,14 @@ impl RequestCtx {
             Some(v) if !v.is_empty() && v.len() <= 128 && v.iter().all(|b| b.is_ascii_graphic()) => {
                 String::from_utf8_lossy(v).into_owned()
             }
-            _ => format!("{:032x}", rand::random::<u128>()),
+            _ => {
+                let mut hex = [0u8; 32];
+                let n = rand::random::<u128>();
+                for (i, digit) in hex.iter_mut().enumerate() {
+                    *digit = b"0123456789abcdef"[(n >> (124 - 4 * i)) as usize & 0xf];
+                }
+                String::from_utf8_lossy(&hex).into_owned()
+            }
         };
         self.request_id = Some(id);
     }
@@ -143,4 +151,21 @@ impl RequestCtx {
     pub fn client_gone(&mut self) {
         self.error_kind = Some("client_gone");
     }
+}
+
+/// Methods and paths most requests carry: kept as they are instead of copied.
+const COMMON: &[&str] = &[
+    "POST",
+    "GET",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/models",
+    "/-/ready",
+    "/-/healthz",
+];
+
+fn common(s: &str) -> Cow<'static, str> {
+    COMMON.iter().find(|c| **c == s).map_or_else(|| Cow::Owned(s.to_owned()), |c| Cow::Borrowed(*c))
 }

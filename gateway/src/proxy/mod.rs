@@ -208,7 +208,7 @@ impl ProxyApp {
 
     /// The answer for `ctx`'s method and path.
     async fn route(&self, s: &mut ServerSession, ctx: &mut RequestCtx) -> bool {
-        match (ctx.method.as_str(), ctx.path.as_str()) {
+        match (ctx.method.as_ref(), ctx.path.as_ref()) {
             ("GET", "/-/healthz") => respond(s, 200, "text/plain", Bytes::from_static(b"ok\n"), None).await,
             ("GET", "/-/ready") => {
                 let (status, body) = self.readiness();
@@ -225,11 +225,11 @@ impl ProxyApp {
                     || path.starts_with(MODEL_PREFIX)
                     || is_model_route(path) =>
             {
-                let e = ProxyError::MethodNotAllowed(ctx.method.clone());
+                let e = ProxyError::MethodNotAllowed(ctx.method.to_string());
                 self.fail(s, e, ctx).await
             }
             _ => {
-                let e = ProxyError::NoRoute(ctx.path.clone());
+                let e = ProxyError::NoRoute(ctx.path.to_string());
                 self.fail(s, e, ctx).await
             }
         }

@@ -9,6 +9,7 @@
 use std::time::Instant;
 
 use bytes::BytesMut;
+use http::{HeaderName, HeaderValue};
 use pingora::http::ResponseHeader;
 use pingora::prelude::fast_timeout::fast_timeout;
 use pingora::protocols::http::ServerSession;
@@ -106,7 +107,9 @@ impl ProxyApp {
         };
         let mut resp = response_head(&head)?;
         if let Some(id) = &ctx.request_id {
-            let _ = resp.insert_header(crate::http::REQUEST_ID, id.as_str());
+            if let Ok(v) = HeaderValue::from_str(id) {
+                let _ = resp.insert_header(HeaderName::from_static(crate::http::REQUEST_ID), v);
+            }
         }
         // What the engine has sent already, taken without waiting. When that is the whole
         // body (a short or non-streamed answer), the response leaves with a Content-Length:
@@ -121,11 +124,11 @@ impl ProxyApp {
             }
         }
         if let Some(n) = engine_length {
-            let _ = resp.insert_header("content-length", itoa::Buffer::new().format(n));
+            let _ = resp.insert_header(http::header::CONTENT_LENGTH, HeaderValue::from(n));
         } else if matches!(next, Ok(Progress::Ended)) {
-            let _ = resp.insert_header("content-length", itoa::Buffer::new().format(buf.len()));
+            let _ = resp.insert_header(http::header::CONTENT_LENGTH, HeaderValue::from(buf.len()));
         } else if !s.is_http2() {
-            let _ = resp.insert_header("transfer-encoding", "chunked");
+            let _ = resp.insert_header(http::header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
         }
         if s.write_response_header(Box::new(resp)).await.is_err() {
             ctx.client_gone();
