@@ -22,12 +22,16 @@ on this shared 2-core VM differ by ±15%):
    (switchyard-loadtest, Poisson, open loop): e2e and TTFT p50/p99 minus direct's;
 4. memory: RSS with 1,000 open streams (a slow `h100-llama3-8b` engine keeps them open).
 
+With `--kv-events`, precise routing is on: the instant engine tokenizes with the SmolLM2 GGUF
+(scripts/setup.sh fetches it) and publishes KV events, and both gateways subscribe and
+tokenize every request (`kv_events: { tokenizer }`); NGINX and Envoy proxy the same engine.
+
 Bars (issue #23): the gateway's requests/s ≥ 1.0× NGINX's and ≥ 1.0× Envoy's (wrk and
 switchyard-loadtest both); its e2e p99 added over direct ≤ NGINX's; its RSS with 1,000 open
 streams < 100 MB. Prints the figures, then each bar with its measured value; exits 1 when a
 bar is missed, 2 when it could not measure.
 
-Usage: python3 loadtest/bench/gateway_vs_proxies.py [--quick] [--gateway-bin PATH]
+Usage: python3 loadtest/bench/gateway_vs_proxies.py [--quick] [--kv-events] [--gateway-bin PATH]
        [--gateway-config YAML]   (e.g. --gateway-config 'policy: { type: least_load }')
 """
 import argparse
@@ -55,6 +59,8 @@ def parse_args(argv=None):
                     help="benchmark this gateway binary instead of the one built (e.g. an older build, before/after)")
     ap.add_argument("--gateway-config", default="",
                     help="YAML lines added to the gateway's configuration (default: none, its defaults)")
+    ap.add_argument("--kv-events", action="store_true",
+                    help="precise routing on: the engine publishes KV events, the gateways tokenize every request")
     return ap.parse_args(argv)
 
 
@@ -146,15 +152,26 @@ def main():
     gw_config = args.gateway_config
     models = {True: "work-stealing", False: "per-core"}
 
-    _, fast = procs.start_engine("--sim-profile", "instant")
+    engine_args, events = ["--sim-profile", "instant"], None
+    if args.kv_events:
+        model = os.path.join(os.environ.get("SWITCHYARD_MODEL_DIR", os.path.join(ROOT, ".cache", "models")),
+                             "SmolLM2-135M-Instruct.Q4_1.gguf")
+        if not os.path.exists(model):
+            raise procs.SetupError(f"{model} is missing (scripts/setup.sh fetches it)")
+        port = procs.free_port()
+        engine_args += ["--tokenizer", model, "--kv-events-config", json.dumps(
+            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"})]
+        events = f"tcp://127.0.0.1:{port}"
+        gw_config = f"{gw_config}\nkv_events: {{ tokenizer: {model} }}"
+    _, fast = procs.start_engine(*engine_args)
     body = completion_body(fast)
     servers, urls = {}, {}
     servers["nginx"], urls["nginx"] = procs.start_nginx("nginx", fast)
     servers["envoy"], urls["envoy"] = procs.start_envoy("envoy", fast)
-    servers["gateway"], urls["gateway"] = procs.start_gateway("gateway", fast, gw_config, binary)
+    servers["gateway"], urls["gateway"] = procs.start_gateway("gateway", fast, gw_config, binary, events)
     ws = work_stealing("gateway")
     alt_config = f"{gw_config}\nwork_stealing: {str(not ws).lower()}"
-    servers["gateway-alt"], urls["gateway-alt"] = procs.start_gateway("gateway-alt", fast, alt_config, binary)
+    servers["gateway-alt"], urls["gateway-alt"] = procs.start_gateway("gateway-alt", fast, alt_config, binary, events)
     targets = [("direct", fast)] + [(n, urls[n]) for n in PROXIES]
 
     wrk_rps, cpu = saturate_wrk(targets, servers, body, rounds_n, seconds)
@@ -165,7 +182,7 @@ def main():
 
     names = ["direct"] + PROXIES
     alt = f"gateway ({models[not ws]})"
-    print(f"\n## Gateway (defaults{': ' + gw_config if gw_config else ''}; {models[ws]}) vs NGINX and Envoy "
+    print(f"\n## Gateway (defaults{': ' + ' '.join(gw_config.split()) if gw_config else ''}; {models[ws]}) vs NGINX and Envoy "
           f"(same instant upstream, same 2 cores; median of {rounds_n} rounds)\n")
     print(f"| figure | direct | nginx | envoy | gateway | {alt} | gateway ÷ nginx | gateway ÷ envoy |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

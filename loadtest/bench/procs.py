@@ -78,14 +78,16 @@ def wait_port(port, timeout=30):
     raise SetupError(f"nothing listens on 127.0.0.1:{port}")
 
 
-def start_gateway(name, engine_url, config="", binary=None):
+def start_gateway(name, engine_url, config="", binary=None, kv_events=None):
     """The gateway in front of `engine_url` with its defaults but for `config` (YAML lines);
-    `binary` instead of the one built here (e.g. an older build, for a before/after)."""
+    `binary` instead of the one built here (e.g. an older build, for a before/after);
+    `kv_events`: the engine's KV-event endpoint (`tcp://HOST:PORT`) to subscribe to."""
     port, admin = free_port(), free_port()
     cfg = os.path.join(WORK, f"{name}.yaml")
+    events = f"\n      kv_events: {kv_events}" if kv_events else ""
     with open(cfg, "w") as f:
         f.write(f"listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin}\n"
-                f"discovery:\n  static:\n    - url: {engine_url}\n{config}\n")
+                f"discovery:\n  static:\n    - url: {engine_url}{events}\n{config}\n")
     log = open(os.path.join(WORK, f"{name}.log"), "w")
     p = spawn([binary or f"{BIN}/switchyard-gateway", "--config", cfg], stdout=log, stderr=log,
               env={**os.environ, "RUST_LOG": "info"})

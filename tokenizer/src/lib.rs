@@ -10,6 +10,7 @@
 pub mod gguf;
 mod model;
 pub mod pieces;
+mod split;
 pub mod vocab;
 
 use std::path::{Path, PathBuf};

@@ -19,6 +19,7 @@ use serde_json::{json, Value as Json};
 
 use crate::gguf::{GgufError, Header, Value};
 use crate::pieces::{Piece, PieceCache, PieceSplitter, MIN_CACHED_BYTES};
+use crate::split::Gpt2Split;
 use crate::vocab::Scheme;
 use crate::{ChatMessage, TokenId};
 
@@ -78,6 +79,16 @@ pub struct ModelTokenizer {
     template_tools: bool,
     /// How text is cut at added tokens (`None`: some added token does not match plainly).
     pieces: Option<PieceSplitter>,
+    /// The GPT-2 split scanned by hand, for a byte-level BPE built from GGUF metadata (an HF
+    /// `tokenizer.json` may configure anything: it keeps `tokenizers`' own pipeline).
+    fast: Option<FastBpe>,
+}
+
+/// Byte-level BPE without `tokenizers`' pre-tokenizer pipeline: the split of [`crate::split`],
+/// GPT-2's byte characters, then the BPE model itself (its word cache included).
+struct FastBpe {
+    split: Gpt2Split,
+    byte_chars: [char; 256],
 }
 
 impl fmt::Debug for ModelTokenizer {
@@ -117,6 +128,7 @@ impl ModelTokenizer {
             return Err(meta_err("tokenizer.ggml.token_type", "length differs from tokenizer.ggml.tokens"));
         }
         let pre = h.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
+        let split = Gpt2Split { individual_digits: pre == "smollm" };
         let pre_tokenizer = match pre {
             "smollm" => json!({"type": "Sequence", "pretokenizers": [
                 {"type": "Digits", "individual_digits": true},
@@ -165,7 +177,17 @@ impl ModelTokenizer {
         }
         let pieces = splitter(&inner);
         let template_tools = h.get("tokenizer.chat_template").and_then(Value::as_str).is_some_and(reads_tools);
-        Ok(Self { inner, eos, bos_text, eos_text: tokens[eos as usize].to_string(), template, template_tools, pieces })
+        let fast = crate::split::available().then(|| FastBpe { split, byte_chars: crate::vocab::byte_chars() });
+        Ok(Self {
+            inner,
+            eos,
+            bos_text,
+            eos_text: tokens[eos as usize].to_string(),
+            template,
+            template_tools,
+            pieces,
+            fast,
+        })
     }
 
     /// Build from an HF `tokenizer.json` document, with the special tokens and template of
@@ -195,6 +217,7 @@ impl ModelTokenizer {
             template,
             template_tools,
             pieces,
+            fast: None,
         })
     }
 
@@ -261,9 +284,40 @@ impl ModelTokenizer {
         }
     }
 
+    /// Whether [`Self::encode_cached`] splits text by hand ([`crate::split`]).
+    #[cfg(test)]
+    pub(crate) fn splits_by_hand(&self) -> bool {
+        self.fast.is_some()
+    }
+
+    /// Text without added tokens → token ids: the hand-scanned split and the BPE model when
+    /// this tokenizer has them, else [`Self::encode`].
+    pub(crate) fn encode_text(&self, text: &str) -> Vec<TokenId> {
+        let Some(fast) = &self.fast else { return self.encode(text) };
+        let model = self.inner.get_model();
+        let mut out = Vec::with_capacity(text.len() / 3);
+        let mut mapped = String::new();
+        let mut failed = false;
+        fast.split.split(text, &mut |piece| {
+            mapped.clear();
+            mapped.extend(piece.bytes().map(|b| fast.byte_chars[usize::from(b)]));
+            match tokenizers::Model::tokenize(model, &mapped) {
+                Ok(tokens) => out.extend(tokens.iter().map(|t| t.id)),
+                Err(_) => failed = true,
+            }
+        });
+        if failed {
+            return self.encode(text);
+        }
+        out
+    }
+
     /// [`Self::encode`], piece by piece between the added tokens, with the ids of long pieces
-    /// remembered in `cache` (see [`crate::pieces`]): a prompt that repeats a long system
-    /// prompt or conversation costs the tokenization of what is new in it.
+    /// remembered in `cache` (see [`crate::pieces`]) and each piece split by hand
+    /// ([`crate::split`]) when the tokenizer allows: a prompt that repeats a long system
+    /// prompt or conversation costs the tokenization of what is new in it. The first 32
+    /// texts and 1 in 1,024 after are also tokenized whole by `tokenizers`' own pipeline; a
+    /// difference turns all of this off ([`Self::encode`] from then on).
     pub fn encode_cached(&self, text: &str, cache: &PieceCache) -> Vec<TokenId> {
         let Some(splitter) = self.pieces.as_ref().filter(|_| !cache.is_off()) else {
             return self.encode(text);
@@ -272,8 +326,8 @@ impl ModelTokenizer {
         for piece in splitter.split(text) {
             match piece {
                 Piece::Added(id) => out.push(id),
-                Piece::Text(t) if t.len() < MIN_CACHED_BYTES => out.extend(self.encode(t)),
-                Piece::Text(t) => out.extend_from_slice(&cache.get_or_encode(t, |t| self.encode(t))),
+                Piece::Text(t) if t.len() < MIN_CACHED_BYTES => out.extend(self.encode_text(t)),
+                Piece::Text(t) => out.extend_from_slice(&cache.get_or_encode(t, |t| self.encode_text(t))),
             }
         }
         if cache.check_now() {

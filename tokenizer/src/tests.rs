@@ -109,6 +109,48 @@ fn piecewise_tokenization_with_a_cache_gives_the_whole_texts_ids() {
     assert!(hits > 50 && misses < 40, "the shared system prompt is tokenized once: {hits} hits, {misses} misses");
 }
 
+/// The hand-scanned split with the BPE model gives `tokenizers`' ids, on text mixing
+/// scripts, numbers, white space and contractions (the split itself is checked against
+/// `tokenizers`' pre-tokenizers on random text in `split`).
+#[test]
+fn the_fast_path_gives_tokenizers_ids() {
+    let t = default_model();
+    assert!(t.splits_by_hand(), "a GGUF byte-level BPE takes the fast path");
+    let words = [
+        "Hello",
+        " world",
+        "it's",
+        " they're",
+        "  ",
+        "\n\n",
+        "\t",
+        " 2024",
+        "½",
+        "café",
+        " ✓",
+        "日本語",
+        "😀",
+        "!!",
+        " 'S",
+        "\u{A0}",
+        "x",
+        "  end ",
+        "Ⅻ",
+        "\r\n",
+    ];
+    let mut state = 7u64;
+    for n in 0..3000 {
+        let len = n % 17;
+        let text: String = (0..len)
+            .map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                words[(state >> 33) as usize % words.len()]
+            })
+            .collect();
+        assert_eq!(t.encode_text(&text), t.encode(&text), "{text:?}");
+    }
+}
+
 #[test]
 fn the_default_model_file_loads_by_its_path() {
     let t = default_model();

@@ -21,21 +21,25 @@ pub enum Scheme {
 }
 
 /// GPT-2's table: the printable Latin-1 bytes stand for themselves, the 68 others are
-/// shifted to U+0100 and up, in byte order.
-fn byte_level_table() -> HashMap<char, u8> {
-    let mut table = HashMap::with_capacity(256);
+/// shifted to U+0100 and up, in byte order. Indexed by byte.
+pub(crate) fn byte_chars() -> [char; 256] {
+    let mut chars = ['\0'; 256];
     let mut shifted = 0u32;
-    for b in 0..=255u8 {
+    for (b, c) in (0..=255u8).zip(chars.iter_mut()) {
         let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-        let c = if printable {
+        *c = if printable {
             char::from(b)
         } else {
             shifted += 1;
             char::from_u32(255 + shifted).expect("U+0100..U+0143 are chars")
         };
-        table.insert(c, b);
     }
-    table
+    chars
+}
+
+/// [`byte_chars`] the other way: character → byte.
+fn byte_level_table() -> HashMap<char, u8> {
+    (0..=255u8).zip(byte_chars()).map(|(b, c)| (c, b)).collect()
 }
 
 /// The bytes of one vocabulary entry written in `scheme`; `None` when the entry holds a
