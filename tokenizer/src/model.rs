@@ -12,9 +12,11 @@
 //! `tokenizer_config.json`'s `chat_template`) is rendered with minijinja, Python string
 //! methods enabled, the way `transformers` renders it.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::path::PathBuf;
 
+use parking_lot::RwLock;
 use serde_json::{json, Value as Json};
 
 use crate::gguf::{GgufError, Header, Value};
@@ -85,11 +87,18 @@ pub struct ModelTokenizer {
 }
 
 /// Byte-level BPE without `tokenizers`' pre-tokenizer pipeline: the split of [`crate::split`],
-/// GPT-2's byte characters, then the BPE model itself (its word cache included).
+/// GPT-2's byte characters, then the BPE model itself; the ids of the words seen first are
+/// kept (`words`), so a word seen before costs a lookup, not the model's `Token` strings.
 struct FastBpe {
     split: Gpt2Split,
     byte_chars: [char; 256],
+    words: RwLock<HashMap<Box<str>, Box<[TokenId]>>>,
 }
+
+/// Words whose ids are kept: the first ones seen, like `tokenizers`' own BPE cache (~1 MB).
+const WORD_CACHE_ENTRIES: usize = 10_000;
+/// Longer pieces are rare and are not kept.
+const WORD_CACHE_MAX_BYTES: usize = 32;
 
 impl fmt::Debug for ModelTokenizer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -177,7 +186,11 @@ impl ModelTokenizer {
         }
         let pieces = splitter(&inner);
         let template_tools = h.get("tokenizer.chat_template").and_then(Value::as_str).is_some_and(reads_tools);
-        let fast = crate::split::available().then(|| FastBpe { split, byte_chars: crate::vocab::byte_chars() });
+        let fast = crate::split::available().then(|| FastBpe {
+            split,
+            byte_chars: crate::vocab::byte_chars(),
+            words: RwLock::new(HashMap::new()),
+        });
         Ok(Self {
             inner,
             eos,
@@ -299,10 +312,23 @@ impl ModelTokenizer {
         let mut mapped = String::new();
         let mut failed = false;
         fast.split.split(text, &mut |piece| {
+            if let Some(ids) = fast.words.read().get(piece) {
+                out.extend_from_slice(ids);
+                return;
+            }
             mapped.clear();
             mapped.extend(piece.bytes().map(|b| fast.byte_chars[usize::from(b)]));
             match tokenizers::Model::tokenize(model, &mapped) {
-                Ok(tokens) => out.extend(tokens.iter().map(|t| t.id)),
+                Ok(tokens) => {
+                    let start = out.len();
+                    out.extend(tokens.iter().map(|t| t.id));
+                    if piece.len() <= WORD_CACHE_MAX_BYTES {
+                        let mut words = fast.words.write();
+                        if words.len() < WORD_CACHE_ENTRIES {
+                            words.insert(piece.into(), out[start..].into());
+                        }
+                    }
+                }
                 Err(_) => failed = true,
             }
         });
