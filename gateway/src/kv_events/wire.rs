@@ -16,10 +16,8 @@
 //! vLLM may add them); a malformed known event makes the whole batch an error, so a consumer
 //! never applies half a batch.
 
-use rmpv::Value;
-
 /// Payloads larger than this are refused before decoding (a batch is one scheduler step:
-/// kilobytes; a decoded value costs ~32 bytes per msgpack byte at worst).
+/// kilobytes).
 pub const MAX_PAYLOAD_BYTES: usize = 4 * 1024 * 1024;
 /// Deepest nesting accepted (a batch is 4 levels deep; extra keys a few more).
 const MAX_DEPTH: usize = 16;
@@ -82,41 +80,78 @@ fn shape(what: impl Into<String>) -> DecodeError {
     DecodeError::Shape(what.into())
 }
 
-/// Decode one payload.
+/// Decode one payload (its first msgpack value; bytes after it are ignored).
+///
+/// The value is checked whole first (well-formed, at most [`MAX_DEPTH`] deep), then read
+/// once in place: the fields routing needs are decoded from their bytes, everything else is
+/// skipped, no document tree is built (a tree of `rmpv::Value`s cost 12k instructions per
+/// proxied request with `kv_events` on, this 8k: `loadtest/bench/profile_gateway.sh`).
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     if payload.len() > MAX_PAYLOAD_BYTES {
         return Err(DecodeError::TooLarge(payload.len()));
     }
-    let mut rd = payload;
-    let value =
-        rmpv::decode::read_value_with_max_depth(&mut rd, MAX_DEPTH).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
-    let (ts, events, rank) = match &value {
-        Value::Array(items) => (items.first(), items.get(1), items.get(2)),
-        Value::Map(_) => (field(&value, "ts"), field(&value, "events"), field(&value, "data_parallel_rank")),
-        _ => return Err(shape("the batch is neither an array nor a map")),
-    };
+    let value = Cursor::new(payload).value(MAX_DEPTH).map_err(DecodeError::Msgpack)?;
+    let mut c = Cursor::new(value);
+    // Each field's value as it was read; the events already decoded, or why they are not.
+    let mut ts: Option<&[u8]> = None;
+    let mut events: Option<Result<Vec<Event>, DecodeError>> = None;
+    let mut rank: Option<&[u8]> = None;
+    if let Some(n) = c.array_len() {
+        for i in 0..n {
+            match i {
+                0 => ts = Some(c.checked()?),
+                1 => events = Some(decode_events(&mut c)?),
+                2 => rank = Some(c.checked()?),
+                _ => {
+                    c.checked()?;
+                }
+            }
+        }
+    } else if let Some(n) = c.map_len() {
+        for _ in 0..n {
+            match as_str(c.checked()?) {
+                Some("ts") if ts.is_none() => ts = Some(c.checked()?),
+                Some("events") if events.is_none() => events = Some(decode_events(&mut c)?),
+                Some("data_parallel_rank") if rank.is_none() => rank = Some(c.checked()?),
+                _ => {
+                    c.checked()?;
+                }
+            }
+        }
+    } else {
+        return Err(shape("the batch is neither an array nor a map"));
+    }
     let ts = ts.and_then(number).ok_or_else(|| shape("no timestamp"))?;
-    let events = events.and_then(Value::as_array).ok_or_else(|| shape("no event list"))?;
+    let events = events.ok_or_else(|| shape("no event list"))??;
     let data_parallel_rank = match rank {
-        None | Some(Value::Nil) => None,
-        Some(v) => Some(v.as_i64().ok_or_else(|| shape("data_parallel_rank is not an integer"))?),
+        None => None,
+        Some(v) if is_nil(v) => None,
+        Some(v) => Some(as_i64(v).ok_or_else(|| shape("data_parallel_rank is not an integer"))?),
     };
-    let mut out = Vec::with_capacity(events.len());
-    for (i, e) in events.iter().enumerate() {
-        if let Some(event) = decode_event(e).map_err(|err| shape(format!("event {i}: {err}")))? {
-            out.push(event);
+    Ok(EventBatch { ts, events, data_parallel_rank })
+}
+
+/// The event list at `c` (consumed): the known events, or why the list is not one.
+fn decode_events(c: &mut Cursor<'_>) -> Result<Result<Vec<Event>, DecodeError>, DecodeError> {
+    let Some(n) = c.array_len() else {
+        c.checked()?;
+        return Ok(Err(shape("no event list")));
+    };
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        match decode_event(c)? {
+            Ok(Some(event)) => out.push(event),
+            Ok(None) => {}
+            Err(err) => {
+                // The rest of the list is read past: a later error names its own event.
+                for _ in i + 1..n {
+                    c.checked()?;
+                }
+                return Ok(Err(shape(format!("event {i}: {err}"))));
+            }
         }
     }
-    Ok(EventBatch { ts, events: out, data_parallel_rank })
-}
-
-/// A map's value for `key`.
-fn field<'a>(map: &'a Value, key: &str) -> Option<&'a Value> {
-    map.as_map()?.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v)
-}
-
-fn number(v: &Value) -> Option<f64> {
-    v.as_f64().or_else(|| v.as_i64().map(|i| i as f64)).or_else(|| v.as_u64().map(|u| u as f64))
+    Ok(Ok(out))
 }
 
 /// Field positions of the array layout, after the tag (vLLM's declaration order).
@@ -124,57 +159,136 @@ const STORED_FIELDS: [&str; 7] =
     ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"];
 const REMOVED_FIELDS: [&str; 2] = ["block_hashes", "medium"];
 
-/// An event's fields, by name, in either layout.
-enum Fields<'a> {
-    Map(&'a Value),
-    /// The items after the tag, and their names in vLLM's declaration order.
-    Array(&'a [Value], &'static [&'static str]),
+/// An event's fields as read (the first of a key given twice, as a lookup in a decoded map
+/// would find): lists decoded on the way, since the tag that says whether they matter may
+/// come last; their errors count only for an event that needs them.
+#[derive(Default)]
+struct Fields<'a> {
+    tag: Option<&'a [u8]>,
+    block_hashes: Option<Result<Vec<u64>, String>>,
+    parent_block_hash: Option<&'a [u8]>,
+    token_ids: Option<Result<Vec<u32>, &'static str>>,
+    block_size: Option<&'a [u8]>,
+    medium: Option<&'a [u8]>,
+    lora_name: Option<&'a [u8]>,
 }
 
 impl<'a> Fields<'a> {
-    fn get(&self, key: &str) -> Option<&'a Value> {
-        match self {
-            Fields::Map(map) => field(map, key),
-            Fields::Array(items, names) => names.iter().position(|n| *n == key).and_then(|i| items.get(i)),
+    /// Read the value of field `name` at `c` (consumed).
+    fn read(&mut self, name: &str, c: &mut Cursor<'a>) -> Result<(), DecodeError> {
+        match name {
+            "block_hashes" if self.block_hashes.is_none() => self.block_hashes = Some(read_list(c, hash)?),
+            "token_ids" if self.token_ids.is_none() => {
+                let token = |v: &[u8]| as_u64(v).and_then(|t| u32::try_from(t).ok()).ok_or("a token id is not a u32");
+                self.token_ids = Some(read_list(c, token)?);
+            }
+            _ => {
+                let v = c.checked()?;
+                let slot = match name {
+                    "type" => &mut self.tag,
+                    "parent_block_hash" => &mut self.parent_block_hash,
+                    "block_size" => &mut self.block_size,
+                    "medium" => &mut self.medium,
+                    "lora_name" => &mut self.lora_name,
+                    _ => return Ok(()),
+                };
+                slot.get_or_insert(v);
+            }
         }
+        Ok(())
     }
 }
 
-/// One event; `None` for a type this gateway does not know.
-fn decode_event(e: &Value) -> Result<Option<Event>, String> {
-    let (tag, fields) = match e {
-        Value::Map(_) => {
-            let tag = field(e, "type").and_then(Value::as_str).ok_or("a map event without a \"type\"")?;
-            (tag, Fields::Map(e))
-        }
-        Value::Array(items) => {
-            let tag = items.first().and_then(Value::as_str).ok_or("an array event without a tag")?;
-            let names: &'static [&'static str] = match tag {
-                "BlockStored" => &STORED_FIELDS,
-                "BlockRemoved" => &REMOVED_FIELDS,
-                _ => &[],
-            };
-            (tag, Fields::Array(&items[1..], names))
-        }
-        _ => return Err("an event is neither a map nor an array".into()),
+/// The list at `c` (consumed), each item through `item` (the first error kept); `"not a
+/// list"` when it is not one.
+fn read_list<T, E: From<&'static str>>(
+    c: &mut Cursor<'_>,
+    item: impl Fn(&[u8]) -> Result<T, E>,
+) -> Result<Result<Vec<T>, E>, DecodeError> {
+    let Some(n) = c.array_len() else {
+        c.checked()?;
+        return Ok(Err(E::from("not a list")));
     };
-    let get = |k: &str| fields.get(k);
-    let text = |k: &str| get(k).and_then(Value::as_str).map(str::to_string);
+    let mut out = Vec::with_capacity(n);
+    let mut failed = None;
+    for _ in 0..n {
+        let v = c.checked()?;
+        if failed.is_none() {
+            match item(v) {
+                Ok(t) => out.push(t),
+                Err(e) => failed = Some(e),
+            }
+        }
+    }
+    Ok(failed.map_or(Ok(out), Err))
+}
+
+/// The event at `c` (consumed); `Ok(None)` for a type this gateway does not know.
+fn decode_event(c: &mut Cursor<'_>) -> Result<Result<Option<Event>, String>, DecodeError> {
+    let mut f = Fields::default();
+    let tag = if let Some(n) = c.map_len() {
+        for _ in 0..n {
+            let key = c.checked()?;
+            match as_str(key) {
+                Some(name) => f.read(name, c)?,
+                None => {
+                    c.checked()?;
+                }
+            }
+        }
+        match f.tag.and_then(as_str) {
+            Some(tag) => tag,
+            None => return Ok(Err("a map event without a \"type\"".into())),
+        }
+    } else if let Some(n) = c.array_len() {
+        let tag = if n > 0 { as_str(c.checked()?) } else { None };
+        let names: &[&str] = match tag {
+            Some("BlockStored") => &STORED_FIELDS,
+            Some("BlockRemoved") => &REMOVED_FIELDS,
+            _ => &[],
+        };
+        for i in 1..n {
+            match names.get(i - 1) {
+                Some(name) => f.read(name, c)?,
+                None => {
+                    c.checked()?;
+                }
+            }
+        }
+        match tag {
+            Some(tag) => tag,
+            None => return Ok(Err("an array event without a tag".into())),
+        }
+    } else {
+        c.checked()?;
+        return Ok(Err("an event is neither a map nor an array".into()));
+    };
+    Ok(event_of(tag, f))
+}
+
+fn event_of(tag: &str, f: Fields<'_>) -> Result<Option<Event>, String> {
+    let text = |v: Option<&[u8]>| v.and_then(as_str).map(str::to_string);
+    let hashes = |h: Option<Result<Vec<u64>, String>>| match h {
+        Some(Ok(h)) => Ok(h),
+        Some(Err(e)) if e != "not a list" => Err(e),
+        _ => Err("no block_hashes".to_string()),
+    };
     match tag {
         "BlockStored" => {
-            let block_hashes = hash_list(get("block_hashes"))?;
-            let parent_block_hash = match get("parent_block_hash") {
-                None | Some(Value::Nil) => None,
+            let block_hashes = hashes(f.block_hashes)?;
+            let parent_block_hash = match f.parent_block_hash {
+                None => None,
+                Some(v) if is_nil(v) => None,
                 Some(v) => Some(hash(v)?),
             };
-            let token_ids = get("token_ids")
-                .and_then(Value::as_array)
-                .ok_or("BlockStored without token_ids")?
-                .iter()
-                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or("a token id is not a u32"))
-                .collect::<Result<Vec<_>, _>>()?;
-            let block_size = get("block_size")
-                .and_then(Value::as_u64)
+            let token_ids = match f.token_ids {
+                Some(Ok(t)) => t,
+                Some(Err(e)) if e != "not a list" => return Err(e.into()),
+                _ => return Err("BlockStored without token_ids".into()),
+            };
+            let block_size = f
+                .block_size
+                .and_then(as_u64)
                 .and_then(|b| u32::try_from(b).ok())
                 .ok_or("BlockStored without a block_size")?;
             Ok(Some(Event::BlockStored {
@@ -182,34 +296,218 @@ fn decode_event(e: &Value) -> Result<Option<Event>, String> {
                 parent_block_hash,
                 token_ids,
                 block_size,
-                medium: text("medium"),
-                lora_name: text("lora_name"),
+                medium: text(f.medium),
+                lora_name: text(f.lora_name),
             }))
         }
         "BlockRemoved" => {
-            Ok(Some(Event::BlockRemoved { block_hashes: hash_list(get("block_hashes"))?, medium: text("medium") }))
+            Ok(Some(Event::BlockRemoved { block_hashes: hashes(f.block_hashes)?, medium: text(f.medium) }))
         }
         "AllBlocksCleared" => Ok(Some(Event::AllBlocksCleared)),
         _ => Ok(None),
     }
 }
 
-fn hash_list(v: Option<&Value>) -> Result<Vec<u64>, String> {
-    v.and_then(Value::as_array).ok_or("no block_hashes")?.iter().map(hash).collect()
-}
-
 /// A block hash as the `u64` vLLM sends by default (see the module documentation).
-fn hash(v: &Value) -> Result<u64, String> {
-    match v {
-        Value::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(|s| s as u64)).ok_or_else(|| "a bad hash".into()),
-        Value::Binary(b) if b.len() >= 8 => Ok(u64::from_be_bytes(b[b.len() - 8..].try_into().expect("eight bytes"))),
+fn hash(v: &[u8]) -> Result<u64, String> {
+    if let Some(i) = int(v) {
+        return Ok(match i {
+            Int::Unsigned(u) => u,
+            Int::Negative(n) => n as u64,
+        });
+    }
+    match bin(v) {
+        Some(b) if b.len() >= 8 => Ok(u64::from_be_bytes(b[b.len() - 8..].try_into().expect("eight bytes"))),
         _ => Err("a block hash is neither an integer nor a digest of at least 8 bytes".into()),
     }
+}
+
+// Msgpack, read in place. `Cursor::value` checks a whole value; the readers below take the
+// bytes of one checked value and say what it is (`None` when it is another type).
+
+/// Reads msgpack values from a byte slice.
+#[derive(Clone)]
+struct Cursor<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn new(buf: &'a [u8]) -> Self {
+        Cursor { buf, at: 0 }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or("truncated")?;
+        let bytes = &self.buf[self.at..end];
+        self.at = end;
+        Ok(bytes)
+    }
+
+    fn byte(&mut self) -> Result<u8, String> {
+        Ok(self.take(1)?[0])
+    }
+
+    /// A big-endian length of `n` bytes.
+    fn len(&mut self, n: usize) -> Result<usize, String> {
+        let b = self.take(n)?;
+        let v = b.iter().fold(0u64, |v, &b| (v << 8) | u64::from(b));
+        usize::try_from(v).map_err(|_| "a length beyond memory".to_string())
+    }
+
+    /// The bytes of the next value, checked whole: well-formed, nested at most `depth` deep.
+    fn value(&mut self, depth: usize) -> Result<&'a [u8], String> {
+        let start = self.at;
+        let marker = self.byte()?;
+        let (skip, items) = match marker {
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
+            0x80..=0x8f => (0, 2 * usize::from(marker & 0x0f)),
+            0x90..=0x9f => (0, usize::from(marker & 0x0f)),
+            0xa0..=0xbf => (usize::from(marker & 0x1f), 0),
+            0xc1 => return Err("reserved marker 0xc1".into()),
+            0xc4 | 0xd9 => (self.len(1)?, 0),
+            0xc5 | 0xda => (self.len(2)?, 0),
+            0xc6 | 0xdb => (self.len(4)?, 0),
+            0xc7 => (self.len(1)? + 1, 0),
+            0xc8 => (self.len(2)? + 1, 0),
+            0xc9 => (self.len(4)? + 1, 0),
+            0xca | 0xce | 0xd2 => (4, 0),
+            0xcb | 0xcf | 0xd3 => (8, 0),
+            0xcc | 0xd0 => (1, 0),
+            0xcd | 0xd1 => (2, 0),
+            0xd4 => (2, 0),
+            0xd5 => (3, 0),
+            0xd6 => (5, 0),
+            0xd7 => (9, 0),
+            0xd8 => (17, 0),
+            0xdc => (0, self.len(2)?),
+            0xdd => (0, self.len(4)?),
+            0xde => (0, 2 * self.len(2)?),
+            0xdf => (0, self.len(4)?.checked_mul(2).ok_or("a map beyond memory")?),
+        };
+        self.take(skip)?;
+        if items > 0 {
+            if depth == 0 {
+                return Err(format!("nested deeper than {MAX_DEPTH}"));
+            }
+            for _ in 0..items {
+                self.value(depth - 1)?;
+            }
+        }
+        Ok(&self.buf[start..self.at])
+    }
+
+    /// The next value of the checked bytes (an error only if they were not checked).
+    fn checked(&mut self) -> Result<&'a [u8], DecodeError> {
+        self.value(MAX_DEPTH).map_err(DecodeError::Msgpack)
+    }
+
+    /// The item count of the array at the cursor, its header consumed; `None` (nothing
+    /// consumed) for another type.
+    fn array_len(&mut self) -> Option<usize> {
+        self.header(0x90, 0xdc, 0xdd)
+    }
+
+    /// The entry count of the map at the cursor, like [`Self::array_len`].
+    fn map_len(&mut self) -> Option<usize> {
+        self.header(0x80, 0xde, 0xdf)
+    }
+
+    fn header(&mut self, fix: u8, n16: u8, n32: u8) -> Option<usize> {
+        let mut c = self.clone();
+        let n = match c.byte().ok()? {
+            m if m & 0xf0 == fix => usize::from(m & 0x0f),
+            m if m == n16 => c.len(2).ok()?,
+            m if m == n32 => c.len(4).ok()?,
+            _ => return None,
+        };
+        *self = c;
+        Some(n)
+    }
+}
+
+fn is_nil(v: &[u8]) -> bool {
+    v.first() == Some(&0xc0)
+}
+
+/// A msgpack integer: non-negative ones (whichever marker carried them) as `Unsigned`.
+enum Int {
+    Unsigned(u64),
+    Negative(i64),
+}
+
+fn int(v: &[u8]) -> Option<Int> {
+    let (&marker, rest) = v.split_first()?;
+    let be = |n: usize| rest.get(..n).map(|b| b.iter().fold(0u64, |v, &b| (v << 8) | u64::from(b)));
+    let signed = |i: i64| if i >= 0 { Int::Unsigned(i as u64) } else { Int::Negative(i) };
+    Some(match marker {
+        0x00..=0x7f => Int::Unsigned(u64::from(marker)),
+        0xe0..=0xff => Int::Negative(i64::from(marker as i8)),
+        0xcc => Int::Unsigned(be(1)?),
+        0xcd => Int::Unsigned(be(2)?),
+        0xce => Int::Unsigned(be(4)?),
+        0xcf => Int::Unsigned(be(8)?),
+        0xd0 => signed(i64::from(be(1)? as u8 as i8)),
+        0xd1 => signed(i64::from(be(2)? as u16 as i16)),
+        0xd2 => signed(i64::from(be(4)? as u32 as i32)),
+        0xd3 => signed(be(8)? as i64),
+        _ => return None,
+    })
+}
+
+fn as_u64(v: &[u8]) -> Option<u64> {
+    match int(v)? {
+        Int::Unsigned(u) => Some(u),
+        Int::Negative(_) => None,
+    }
+}
+
+fn as_i64(v: &[u8]) -> Option<i64> {
+    match int(v)? {
+        Int::Unsigned(u) => i64::try_from(u).ok(),
+        Int::Negative(i) => Some(i),
+    }
+}
+
+/// A float, or an integer as one.
+fn number(v: &[u8]) -> Option<f64> {
+    match v.split_first()? {
+        (0xca, b) => Some(f64::from(f32::from_be_bytes(b.get(..4)?.try_into().ok()?))),
+        (0xcb, b) => Some(f64::from_be_bytes(b.get(..8)?.try_into().ok()?)),
+        _ => match int(v)? {
+            Int::Unsigned(u) => Some(u as f64),
+            Int::Negative(i) => Some(i as f64),
+        },
+    }
+}
+
+/// A string's or a binary's bytes (both: the length header, then the bytes).
+fn payload(v: &[u8], fix: Option<(u8, u8)>, m8: u8, m16: u8, m32: u8) -> Option<&[u8]> {
+    let mut c = Cursor::new(v);
+    let marker = c.byte().ok()?;
+    let n = match (marker, fix) {
+        (m, Some((lo, hi))) if (lo..=hi).contains(&m) => usize::from(m & 0x1f),
+        (m, _) if m == m8 => c.len(1).ok()?,
+        (m, _) if m == m16 => c.len(2).ok()?,
+        (m, _) if m == m32 => c.len(4).ok()?,
+        _ => return None,
+    };
+    c.take(n).ok()
+}
+
+/// A string, when it is valid UTF-8.
+fn as_str(v: &[u8]) -> Option<&str> {
+    std::str::from_utf8(payload(v, Some((0xa0, 0xbf)), 0xd9, 0xda, 0xdb)?).ok()
+}
+
+fn bin(v: &[u8]) -> Option<&[u8]> {
+    payload(v, None, 0xc4, 0xc5, 0xc6)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rmpv::Value;
 
     /// Every payload the generator wrote (msgspec, vLLM's struct definitions, each layout and
     /// hash encoding) decodes to what expected.json says.
@@ -265,6 +563,61 @@ mod tests {
         deep.push(0xc0);
         assert!(matches!(decode_batch(&deep), Err(DecodeError::Msgpack(_))));
         assert!(matches!(decode_batch(&vec![0; MAX_PAYLOAD_BYTES + 1]), Err(DecodeError::TooLarge(_))));
+    }
+
+    /// Every msgpack width of the same values decodes alike: integers in signed markers,
+    /// negative hashes as their bits, 16/32-bit container headers, str8 tags; a key given
+    /// twice counts its first value; bytes after the batch are ignored; a tag that is not
+    /// UTF-8 is an error.
+    #[test]
+    fn every_msgpack_width_decodes_alike() {
+        // A batch [1, [event], nil] whose event map (5 entries, "type" spliced in last) has
+        // `block_size` twice.
+        let stored = |block_size: &[u8], hash: &[u8]| {
+            let mut p = vec![0x93, 0x01, 0xdc, 0x00, 0x01, 0xdf, 0, 0, 0, 5];
+            for (k, v) in [
+                (&b"block_hashes"[..], [&[0x91u8][..], hash].concat()),
+                (b"token_ids", vec![0x92, 0xd0, 0x05, 0xcd, 0x01, 0x00]),
+                (b"block_size", block_size.to_vec()),
+                (b"block_size", vec![0x07]),
+            ] {
+                p.push(0xa0 | k.len() as u8);
+                p.extend_from_slice(k);
+                p.extend_from_slice(&v);
+            }
+            p.extend_from_slice(&[0xc0, 0xff, 0xff]); // data_parallel_rank nil, then trailing bytes
+            p
+        };
+        let tag = [&[0xd9, 11][..], b"BlockStored"].concat();
+        let want = Event::BlockStored {
+            block_hashes: vec![u64::MAX],
+            parent_block_hash: None,
+            token_ids: vec![5, 256],
+            block_size: 2,
+            medium: None,
+            lora_name: None,
+        };
+        for (size, hash) in [
+            (&[0x02u8][..], &[0xffu8][..]),
+            (&[0xd2, 0, 0, 0, 2], &[0xd3, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]),
+        ] {
+            let with_tag_last = {
+                let mut q = stored(size, hash);
+                let end = q.len() - 3;
+                q.splice(end..end, [&[0xa4][..], b"type", &tag].concat());
+                q
+            };
+            let batch = decode_batch(&with_tag_last).unwrap();
+            assert_eq!((batch.ts, batch.data_parallel_rank), (1.0, None));
+            assert_eq!(batch.events, vec![want.clone()]);
+        }
+        let bad_tag = {
+            let mut q = stored(&[0x02], &[0x01]);
+            let end = q.len() - 3;
+            q.splice(end..end, [&[0xa4][..], b"type", &[0xa2, 0xff, 0xfe]].concat());
+            q
+        };
+        assert!(matches!(decode_batch(&bad_tag), Err(DecodeError::Shape(_))));
     }
 
     /// The engine's own encoder (what `switchyard-engine --kv-events-config` sends) decodes.
