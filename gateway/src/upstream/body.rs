@@ -211,13 +211,33 @@ fn chunk_size(line: &[u8]) -> Result<u64, BodyError> {
     if !rest_ok {
         return Err(BodyError::ChunkSize);
     }
-    let hex = std::str::from_utf8(&line[..digits]).map_err(|_| BodyError::ChunkSize)?;
-    u64::from_str_radix(hex, 16).map_err(|_| BodyError::ChunkSize)
+    // At most 15 hex digits: 60 bits, no overflow.
+    Ok(line[..digits].iter().fold(0u64, |n, &b| (n << 4) | u64::from(hex_value(b))))
+}
+
+/// An ASCII hex digit's value (`b` is one).
+fn hex_value(b: u8) -> u8 {
+    match b {
+        b'0'..=b'9' => b - b'0',
+        b'a'..=b'f' => b - b'a' + 10,
+        b'A'..=b'F' => b - b'A' + 10,
+        _ => 0,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn chunk_sizes_are_hex_of_at_most_fifteen_digits() {
+        assert_eq!(chunk_size(b"0"), Ok(0));
+        assert_eq!(chunk_size(b"1aF ; ext=1"), Ok(0x1af));
+        assert_eq!(chunk_size(b"fffffffffffffff"), Ok((1 << 60) - 1));
+        for bad in [&b""[..], b"g", b"1g", b"ffffffffffffffff", b" 1", b"1 x"] {
+            assert_eq!(chunk_size(bad), Err(BodyError::ChunkSize), "{:?}", String::from_utf8_lossy(bad));
+        }
+    }
 
     /// Decode `wire` fed in pieces of `step` bytes: the data, and whether it ended.
     fn decode_in_steps(framing: Framing, wire: &[u8], step: usize) -> (Vec<u8>, Result<Progress, BodyError>, usize) {
