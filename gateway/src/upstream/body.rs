@@ -96,25 +96,38 @@ impl BodyDecoder {
     /// Move the body data `input` holds into `out`, consuming the framing; what cannot be
     /// decoded yet stays in `input`. Bytes after the body's end stay in `input` too.
     pub fn decode(&mut self, input: &mut BytesMut, out: &mut BytesMut) -> Result<Progress, BodyError> {
+        // Decoded from a slice, `input` advanced once by what was used (also on an error).
+        let mut used = 0;
+        let progress = self.decode_slice(input, &mut used, out);
+        input.advance(used);
+        progress
+    }
+
+    fn decode_slice(&mut self, input: &[u8], used: &mut usize, out: &mut BytesMut) -> Result<Progress, BodyError> {
         loop {
+            let rest = &input[*used..];
             match self.state {
                 State::Done => return Ok(Progress::Ended),
                 State::UntilClose => {
-                    out.extend_from_slice(input);
-                    input.clear();
+                    out.extend_from_slice(rest);
+                    *used = input.len();
                     return Ok(Progress::More);
                 }
                 State::Length(left) => {
-                    let n = take(input, out, left);
+                    let n = take(rest, out, left);
+                    *used += n as usize;
                     if n < left {
-                        // `input` is empty: the rest is still to come.
+                        // `input` is used up: the rest is still to come.
                         self.state = State::Length(left - n);
                         return Ok(Progress::More);
                     }
                     self.state = State::Done;
                 }
-                State::Chunked(chunk) => match self.chunked(chunk, input, out)? {
-                    Some(next) => self.state = next,
+                State::Chunked(chunk) => match self.chunked(chunk, rest, out)? {
+                    Some((next, n)) => {
+                        self.state = next;
+                        *used += n;
+                    }
                     None => return Ok(Progress::More),
                 },
             }
@@ -135,22 +148,21 @@ impl BodyDecoder {
         }
     }
 
-    /// One step of chunked decoding from `chunk`: the next state, or `None` when `input`
-    /// holds too little to go on.
-    fn chunked(&mut self, chunk: Chunk, input: &mut BytesMut, out: &mut BytesMut) -> Result<Option<State>, BodyError> {
+    /// One step of chunked decoding from `chunk` at the front of `input`: the next state and
+    /// the bytes it used, or `None` when `input` holds too little to go on.
+    fn chunked(&mut self, chunk: Chunk, input: &[u8], out: &mut BytesMut) -> Result<Option<(State, usize)>, BodyError> {
         Ok(Some(match chunk {
             Chunk::Size => {
                 let Some(line) = line(input)? else { return Ok(None) };
                 let size = chunk_size(&input[..line])?;
-                input.advance(line + 2);
-                State::Chunked(if size == 0 { Chunk::Trailers(0) } else { Chunk::Data(size) })
+                (State::Chunked(if size == 0 { Chunk::Trailers(0) } else { Chunk::Data(size) }), line + 2)
             }
             Chunk::Data(left) => {
                 if input.is_empty() {
                     return Ok(None);
                 }
                 let n = take(input, out, left);
-                State::Chunked(if n == left { Chunk::DataEnd } else { Chunk::Data(left - n) })
+                (State::Chunked(if n == left { Chunk::DataEnd } else { Chunk::Data(left - n) }), n as usize)
             }
             Chunk::DataEnd => {
                 if input.len() < 2 {
@@ -162,29 +174,27 @@ impl BodyDecoder {
                 if &input[..2] != b"\r\n" {
                     return Err(BodyError::ChunkEnd);
                 }
-                input.advance(2);
-                State::Chunked(Chunk::Size)
+                (State::Chunked(Chunk::Size), 2)
             }
             Chunk::Trailers(seen) => {
                 let Some(line) = line(input)? else { return Ok(None) };
-                input.advance(line + 2);
-                if line == 0 {
+                let state = if line == 0 {
                     State::Done
                 } else if seen + line + 2 > MAX_TRAILERS {
                     return Err(BodyError::TrailersTooLong);
                 } else {
                     State::Chunked(Chunk::Trailers(seen + line + 2))
-                }
+                };
+                (state, line + 2)
             }
         }))
     }
 }
 
-/// Move up to `left` bytes from the front of `input` to `out`; how many moved.
-fn take(input: &mut BytesMut, out: &mut BytesMut, left: u64) -> u64 {
+/// Copy up to `left` bytes from the front of `input` to `out`; how many.
+fn take(input: &[u8], out: &mut BytesMut, left: u64) -> u64 {
     let n = input.len().min(usize::try_from(left).unwrap_or(usize::MAX));
     out.extend_from_slice(&input[..n]);
-    input.advance(n);
     n as u64
 }
 
