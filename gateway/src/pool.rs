@@ -21,26 +21,39 @@ use futures_util::FutureExt;
 use pingora::protocols::Stream;
 use tokio::io::AsyncReadExt;
 
+/// What the pool keeps: a connection to an engine (with whatever it carries along, such as
+/// its read buffer), checked for life through its stream.
+pub trait Pooled: Send {
+    /// The connection's stream.
+    fn stream_mut(&mut self) -> &mut Stream;
+}
+
+impl Pooled for Stream {
+    fn stream_mut(&mut self) -> &mut Stream {
+        self
+    }
+}
+
 /// Idle connections to one backend.
-type Idle = VecDeque<(Stream, Instant)>;
+type Idle<C> = VecDeque<(C, Instant)>;
 
 /// Idle upstream connections by backend.
-pub struct UpstreamPool {
-    idle: Mutex<HashMap<u64, Idle>>,
+pub struct UpstreamPool<C: Pooled = Stream> {
+    idle: Mutex<HashMap<u64, Idle<C>>>,
     /// The most idle connections kept per backend; the oldest is closed beyond it.
     max_idle: usize,
     /// An idle connection older than this is closed.
     idle_timeout: Duration,
 }
 
-impl UpstreamPool {
+impl<C: Pooled> UpstreamPool<C> {
     /// A pool keeping up to `max_idle` connections per backend for up to `idle_timeout`.
     pub fn new(max_idle: usize, idle_timeout: Duration) -> Self {
         UpstreamPool { idle: Mutex::new(HashMap::new()), max_idle, idle_timeout }
     }
 
     /// The most recently released live connection to `backend`, if any.
-    pub fn take(&self, backend: u64, now: Instant) -> Option<Stream> {
+    pub fn take(&self, backend: u64, now: Instant) -> Option<C> {
         loop {
             let (stream, since) = {
                 let mut idle = self.idle.lock();
@@ -54,7 +67,7 @@ impl UpstreamPool {
                 popped
             };
             let mut stream = stream;
-            if is_open(&mut stream) {
+            if is_open(stream.stream_mut()) {
                 return Some(stream);
             }
             tracing::debug!(idle_for = ?now.saturating_duration_since(since), "dropped a closed idle connection");
@@ -62,7 +75,7 @@ impl UpstreamPool {
     }
 
     /// Keep `stream` for reuse by the next request to `backend`.
-    pub fn put(&self, backend: u64, stream: Stream, now: Instant) {
+    pub fn put(&self, backend: u64, stream: C, now: Instant) {
         let mut idle = self.idle.lock();
         let stack = idle.entry(backend).or_default();
         stack.push_back((stream, now));
@@ -76,7 +89,7 @@ impl UpstreamPool {
         let mut idle = self.idle.lock();
         for stack in idle.values_mut() {
             stack.retain_mut(|(stream, since)| {
-                now.saturating_duration_since(*since) <= self.idle_timeout && is_open(stream)
+                now.saturating_duration_since(*since) <= self.idle_timeout && is_open(stream.stream_mut())
             });
         }
         idle.retain(|_, stack| !stack.is_empty());

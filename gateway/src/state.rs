@@ -83,7 +83,7 @@ pub struct GatewayState {
     /// Opens upstream connections (pingora; TCP, TLS).
     pub connector: TransportConnector,
     /// Idle upstream connections for reuse.
-    pub pool: crate::pool::UpstreamPool,
+    pub pool: crate::pool::UpstreamPool<crate::upstream::EngineConnection>,
     /// Metrics.
     pub metrics: GatewayMetrics,
     /// Draining or not, and the connections being served (drain waits for zero).

@@ -348,16 +348,15 @@ impl ProxyApp {
         // would otherwise be inlined into every request's state machine and copied when
         // pingora boxes it, so it gets its own box, on the rare path only.
         let pooled = self.state.pool.take(backend.pool_key, Instant::now());
-        let (stream, reused) = match pooled {
-            Some(stream) => (stream, true),
+        let (mut up, reused) = match pooled {
+            Some(up) => (up, true),
             None => match Box::pin(connect(&self.state.connector, peer, cfg)).await {
-                Ok(stream) => (stream, false),
+                Ok(stream) => (EngineConnection::new(stream), false),
                 Err(e) => {
                     return Err(AttemptError::Upstream(UpstreamErrorKind::Connect, ProxyError::Upstream(e.to_string())))
                 }
             },
         };
-        let mut up = EngineConnection::new(stream);
         let fwd = Forwarded {
             peer: s.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip()),
             proto: if cfg.tls.is_some() { "https" } else { "http" },

@@ -1,7 +1,7 @@
 //! The heads of the engine leg: the request head the gateway writes (straight into bytes,
 //! no header map built for it) and the response head it parses. Pure.
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue};
 use pingora::http::RequestHeader;
 
@@ -149,7 +149,7 @@ pub enum HeadError {
 }
 
 /// Parse the response head at the front of `buf` and take it out of `buf` (header values
-/// stay slices of it, not copies), or `None` when it is not complete yet. Interim (1xx)
+/// are slices of one copy of the head), or `None` when it is not complete yet. Interim (1xx)
 /// responses are for the caller to skip.
 pub(crate) fn parse_response_head(buf: &mut BytesMut) -> Result<Option<ResponseHead>, HeadError> {
     let mut fields = [httparse::EMPTY_HEADER; MAX_RESPONSE_HEADERS];
@@ -216,7 +216,10 @@ pub(crate) fn parse_response_head(buf: &mut BytesMut) -> Result<Option<ResponseH
     // connection is not reused.
     let ambiguous = transfer_encoding && length.is_some();
     let keepalive = (if http11 { !close } else { keep_alive }) && framing != Framing::UntilClose && !ambiguous;
-    let head: Bytes = buf.split_to(len).freeze();
+    // One copy of the head for the values to point into: `buf` stays the connection's own,
+    // reused for the next response instead of shared with headers a client session holds.
+    let head = Bytes::copy_from_slice(&buf[..len]);
+    buf.advance(len);
     let mut headers = Vec::with_capacity(kept.len());
     for (name, range) in kept {
         let value =

@@ -50,7 +50,7 @@ pub(crate) enum EngineIoError {
 }
 
 /// One connection to an engine, carrying one request at a time.
-pub(crate) struct EngineConnection {
+pub struct EngineConnection {
     stream: Stream,
     /// Bytes read and not yet consumed (the head, then the body's framing and data).
     read: BytesMut,
@@ -58,6 +58,12 @@ pub(crate) struct EngineConnection {
     body: Option<BodyDecoder>,
     /// The engine keeps the connection after the response.
     keepalive: bool,
+}
+
+impl crate::pool::Pooled for EngineConnection {
+    fn stream_mut(&mut self) -> &mut Stream {
+        &mut self.stream
+    }
 }
 
 impl EngineConnection {
@@ -141,10 +147,15 @@ impl EngineConnection {
         self.body.as_ref().is_some_and(|b| b.is_done())
     }
 
-    /// The connection, for the next request: only after a whole response on a connection
-    /// the engine keeps, with nothing unexpected read past the response.
-    pub fn into_reusable(self) -> Option<Stream> {
-        (self.keepalive && self.is_body_done() && self.read.is_empty()).then_some(self.stream)
+    /// The connection, for the next request, with its read buffer (one allocation per
+    /// connection, not per request): only after a whole response on a connection the engine
+    /// keeps, with nothing unexpected read past the response.
+    pub fn into_reusable(mut self) -> Option<EngineConnection> {
+        if !(self.keepalive && self.is_body_done() && self.read.is_empty()) {
+            return None;
+        }
+        (self.body, self.keepalive) = (None, false);
+        Some(self)
     }
 
     /// One read from the engine into the buffer; 0 at end of stream.
