@@ -701,7 +701,11 @@ async fn structured_outputs_follow_their_grammar_on_the_simulator() {
         r["choices"][0]["text"].as_str().unwrap_or_else(|| panic!("{r}")).to_string()
     };
     let obj = one(json!({"response_format": {"type": "json_object"}})).await;
-    assert!(serde_json::from_str::<serde_json::Value>(&obj).unwrap().is_object(), "{obj}");
+    // Any JSON: a number may lie beyond f64 (`1e999`), which serde_json's `Value` refuses
+    // but the grammar rightly allows; skipping the document checks its syntax only.
+    assert!(serde_json::from_str::<serde::de::IgnoredAny>(r#"{"a": 1e999, "b": [1]}"#).is_ok());
+    let parsed = serde_json::from_str::<serde::de::IgnoredAny>(&obj);
+    assert!(obj.trim_start().starts_with('{') && parsed.is_ok(), "{obj}: {parsed:?}");
     let pick = one(json!({"structured_outputs": {"choice": ["red", "green (dark)"]}})).await;
     assert!(pick == "red" || pick == "green (dark)", "{pick:?}");
     let mail = one(json!({"guided_regex": "[a-z]{2,8}@example\\.(com|org)"})).await;
