@@ -425,10 +425,19 @@ async fn health_readiness_models_and_metrics_endpoints() {
         g.log().lines().any(|l| l.contains("\"path\":\"/v1/chat/completions\"") && l.contains("\"ttft_ms\""))
     })
     .await;
+    // The gateway's own answers are logged with the status they had.
+    let logged = |path: &str, status: u16| {
+        let (path, status) = (format!("\"path\":\"{path}\""), format!("\"status\":{status},"));
+        g.log().lines().any(|l| l.contains(&path) && l.contains(&status))
+    };
+    for path in ["/-/healthz", "/-/ready", "/v1/models"] {
+        assert!(logged(path, 200), "{path} logged with status 200:\n{}", g.log());
+    }
     drop(engine);
     // With the only engine gone, readiness fails once the scraper notices.
     eventually("readiness fails", async || send(g.addr, "GET", "/-/ready", bytes::Bytes::new()).await.status == 503)
         .await;
+    eventually("the refused readiness probe in the access log", async || logged("/-/ready", 503)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -209,14 +209,24 @@ impl ProxyApp {
     /// The answer for `ctx`'s method and path.
     async fn route(&self, s: &mut ServerSession, ctx: &mut RequestCtx) -> bool {
         match (ctx.method.as_ref(), ctx.path.as_ref()) {
-            ("GET", "/-/healthz") => respond(s, 200, "text/plain", Bytes::from_static(b"ok\n"), None).await,
+            ("GET", "/-/healthz") => {
+                ctx.status = 200;
+                respond(s, 200, "text/plain", Bytes::from_static(b"ok\n"), None).await
+            }
             ("GET", "/-/ready") => {
                 let (status, body) = self.readiness();
+                ctx.status = status;
                 respond(s, status, "text/plain", Bytes::from(body), None).await
             }
-            ("GET", "/v1/models") => respond(s, 200, "application/json", Bytes::from(self.models_body()), None).await,
+            ("GET", "/v1/models") => {
+                ctx.status = 200;
+                respond(s, 200, "application/json", Bytes::from(self.models_body()), None).await
+            }
             ("GET", path) if path.starts_with(MODEL_PREFIX) => match self.model_body(&path[MODEL_PREFIX.len()..]) {
-                Ok(body) => respond(s, 200, "application/json", Bytes::from(body), None).await,
+                Ok(body) => {
+                    ctx.status = 200;
+                    respond(s, 200, "application/json", Bytes::from(body), None).await
+                }
                 Err(e) => self.fail(s, e, ctx).await,
             },
             ("POST", path) if is_model_route(path) => self.proxy(s, ctx).await,
