@@ -322,7 +322,8 @@ impl ModelTokenizer {
                 Ok(tokens) => {
                     let start = out.len();
                     out.extend(tokens.iter().map(|t| t.id));
-                    if piece.len() <= WORD_CACHE_MAX_BYTES {
+                    // Once the cache is full a miss takes no write lock.
+                    if piece.len() <= WORD_CACHE_MAX_BYTES && fast.words.read().len() < WORD_CACHE_ENTRIES {
                         let mut words = fast.words.write();
                         if words.len() < WORD_CACHE_ENTRIES {
                             words.insert(piece.into(), out[start..].into());

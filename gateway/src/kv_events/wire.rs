@@ -177,10 +177,12 @@ impl<'a> Fields<'a> {
     /// Read the value of field `name` at `c` (consumed).
     fn read(&mut self, name: &str, c: &mut Cursor<'a>) -> Result<(), DecodeError> {
         match name {
-            "block_hashes" if self.block_hashes.is_none() => self.block_hashes = Some(read_list(c, hash)?),
+            "block_hashes" if self.block_hashes.is_none() => {
+                self.block_hashes = Some(read_list(c, hash, || NO_HASHES.to_string())?);
+            }
             "token_ids" if self.token_ids.is_none() => {
                 let token = |v: &[u8]| as_u64(v).and_then(|t| u32::try_from(t).ok()).ok_or("a token id is not a u32");
-                self.token_ids = Some(read_list(c, token)?);
+                self.token_ids = Some(read_list(c, token, || NO_TOKENS)?);
             }
             _ => {
                 let v = c.checked()?;
@@ -199,15 +201,20 @@ impl<'a> Fields<'a> {
     }
 }
 
-/// The list at `c` (consumed), each item through `item` (the first error kept); `"not a
-/// list"` when it is not one.
-fn read_list<T, E: From<&'static str>>(
+/// What an event without a usable list says.
+const NO_HASHES: &str = "no block_hashes";
+const NO_TOKENS: &str = "BlockStored without token_ids";
+
+/// The list at `c` (consumed), each item through `item` (the first error kept);
+/// `not_a_list()` when it is not one.
+fn read_list<T, E>(
     c: &mut Cursor<'_>,
     item: impl Fn(&[u8]) -> Result<T, E>,
+    not_a_list: impl FnOnce() -> E,
 ) -> Result<Result<Vec<T>, E>, DecodeError> {
     let Some(n) = c.array_len() else {
         c.checked()?;
-        return Ok(Err(E::from("not a list")));
+        return Ok(Err(not_a_list()));
     };
     let mut out = Vec::with_capacity(n);
     let mut failed = None;
@@ -268,11 +275,7 @@ fn decode_event(c: &mut Cursor<'_>) -> Result<Result<Option<Event>, String>, Dec
 
 fn event_of(tag: &str, f: Fields<'_>) -> Result<Option<Event>, String> {
     let text = |v: Option<&[u8]>| v.and_then(as_str).map(str::to_string);
-    let hashes = |h: Option<Result<Vec<u64>, String>>| match h {
-        Some(Ok(h)) => Ok(h),
-        Some(Err(e)) if e != "not a list" => Err(e),
-        _ => Err("no block_hashes".to_string()),
-    };
+    let hashes = |h: Option<Result<Vec<u64>, String>>| h.unwrap_or_else(|| Err(NO_HASHES.to_string()));
     match tag {
         "BlockStored" => {
             let block_hashes = hashes(f.block_hashes)?;
@@ -281,11 +284,7 @@ fn event_of(tag: &str, f: Fields<'_>) -> Result<Option<Event>, String> {
                 Some(v) if is_nil(v) => None,
                 Some(v) => Some(hash(v)?),
             };
-            let token_ids = match f.token_ids {
-                Some(Ok(t)) => t,
-                Some(Err(e)) if e != "not a list" => return Err(e.into()),
-                _ => return Err("BlockStored without token_ids".into()),
-            };
+            let token_ids = f.token_ids.unwrap_or(Err(NO_TOKENS))?;
             let block_size = f
                 .block_size
                 .and_then(as_u64)
