@@ -6,9 +6,10 @@
 //! when h2c is on, inside the h2 handshake on a TLS connection that negotiated `h2` — so a
 //! client that sends 10 bytes holds its connection forever. [`Edge`] runs first: it refuses
 //! a connection past `limits.max_connections`, gives both preface waits the header deadline
-//! (`limits.header_read_timeout_ms`), then hands the connection to the app. The rest of a
-//! connection's life is bounded elsewhere: HTTP/1 request heads and keep-alive waits in
-//! [`crate::proxy`], HTTP/2 connections with no open stream by pingora's `h2_idle_timeout`.
+//! (`limits.header_read_timeout_ms`), then hands an HTTP/2 connection to pingora and an
+//! HTTP/1.1 one to the gateway's own session ([`crate::proxy::ProxyApp::serve_h1`]). The
+//! rest of a connection's life is bounded elsewhere: HTTP/1 request heads and keep-alive
+//! waits in `serve_h1`, HTTP/2 connections with no open stream by pingora's `h2_idle_timeout`.
 
 use std::fmt;
 use std::io;
@@ -30,10 +31,12 @@ use pingora::server::ShutdownWatch;
 use prometheus::{IntCounter, IntGauge};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use crate::proxy::ProxyApp;
 use crate::state::GatewayState;
 
-/// The HTTP/2 connection preface (RFC 9113 §3.4) is this long.
-const H2_PREFACE_LEN: usize = 24;
+/// The HTTP/2 connection preface (RFC 9113 §3.4).
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const H2_PREFACE_LEN: usize = H2_PREFACE.len();
 
 /// Client connections open now against a cap that may change with each reload.
 #[derive(Debug, Default)]
@@ -63,22 +66,22 @@ impl Drop for Slot<'_> {
     }
 }
 
-/// The API listener's app: `A` behind the connection cap and the preface deadline.
-pub struct Edge<A> {
-    app: Arc<A>,
+/// The API listener's app: the proxy behind the connection cap and the preface deadline.
+pub struct Edge {
+    app: Arc<ProxyApp>,
     state: Arc<GatewayState>,
     slots: ConnectionSlots,
 }
 
-impl<A> Edge<A> {
+impl Edge {
     /// `app` behind the limits of `state`'s live config.
-    pub fn new(app: Arc<A>, state: Arc<GatewayState>) -> Self {
+    pub fn new(app: Arc<ProxyApp>, state: Arc<GatewayState>) -> Self {
         Edge { app, state, slots: ConnectionSlots::default() }
     }
 }
 
 #[async_trait]
-impl<A: HttpServerApp + Send + Sync + 'static> ServerApp for Edge<A> {
+impl ServerApp for Edge {
     async fn process_new(self: &Arc<Self>, mut stream: Stream, shutdown: &ShutdownWatch) -> Option<Stream> {
         let (max, deadline) = {
             let limits = &self.state.active.load().config.limits;
@@ -92,8 +95,8 @@ impl<A: HttpServerApp + Send + Sync + 'static> ServerApp for Edge<A> {
         let tls = stream.get_ssl_digest().is_some();
         let h2c = !tls && self.app.server_options().is_some_and(|o| o.h2c);
         if h2c {
-            // pingora peeks next, for as long as the client likes; a peek rewinds, so the
-            // one below returns at once with what this one read.
+            // pingora peeks again, for as long as the client likes; a peek rewinds, so its
+            // peek returns at once with what this one read.
             let mut preface = [0u8; H2_PREFACE_LEN];
             match tokio::time::timeout(deadline, stream.try_peek(&mut preface)).await {
                 Ok(Ok(_)) => {}
@@ -103,15 +106,19 @@ impl<A: HttpServerApp + Send + Sync + 'static> ServerApp for Edge<A> {
                     return None;
                 }
             }
+            if &preface == H2_PREFACE {
+                return ServerApp::process_new(&self.app, stream, shutdown).await;
+            }
         }
         if tls && matches!(stream.selected_alpn_proto(), Some(ALPN::H2)) {
             return self.serve_h2_over_tls(stream, shutdown, deadline, &metrics.header_timeouts).await;
         }
-        ServerApp::process_new(&self.app, stream, shutdown).await
+        self.app.serve_h1(stream, shutdown).await;
+        None
     }
 }
 
-impl<A: HttpServerApp + Send + Sync + 'static> Edge<A> {
+impl Edge {
     /// Serve an HTTP/2-over-TLS connection, closing it if its preface has not arrived by
     /// `deadline` (the h2 handshake inside pingora reads it, so the bytes read are counted).
     async fn serve_h2_over_tls(

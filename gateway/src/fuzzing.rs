@@ -4,22 +4,24 @@
 //! functions the proxy calls ([`crate::proxy::plan_request`] among them), not a copy.
 //! Built only with the `fuzzing` feature.
 //!
-//! Input layout: the bytes up to the first `\0` are a request head (as pingora hands it
-//! over), the rest is the body. Invariants checked besides "no panic": a plan only comes
+//! Input layout: the bytes up to the first `\0` are a request head (read by the gateway's
+//! own parser, [`RequestHead::parse`]; a head it refuses is still planned, from its
+//! `name: value` lines, so the planner sees every input), the rest is the body. Invariants checked besides "no panic": a plan only comes
 //! from a JSON object or a multipart form (`Content-Type: multipart/form-data; boundary=…`
 //! in the head), an alias's rewritten body names its target where the client named the
 //! alias, the canonical prompt's streaming visitor renders what a document tree
 //! of the same body renders, the block hashes of the canonical prompt cover it, the prefix
 //! index answers for what was inserted, and every policy's pick is a candidate.
 
-use pingora::http::RequestHeader;
+use bytes::BytesMut;
 
 use crate::auth::{ApiKeyConfig, Authenticator};
 use crate::config::GatewayConfig;
+use crate::downstream::RequestHead;
 use crate::policy::{Candidate, PolicyConfig, RouteInput};
 use crate::prefix::PrefixTracker;
 use crate::proxy::plan_request;
-use crate::request::{canonical_prompt, canonical_prompt_from_tree, check_head, UsageMeter};
+use crate::request::{canonical_prompt, canonical_prompt_from_tree, UsageMeter};
 use crate::state::Active;
 
 /// The config the fuzz target plans under: one backend serving `m`, the default `cost`
@@ -28,20 +30,23 @@ const CONFIG: &str = "discovery:\n  static:\n    - url: http://127.0.0.1:9\n    
 admission:\n  priority_header: x-priority\nprefix_index:\n  block_bytes: 16\n\
 models:\n  a:\n    targets: [ { model: m, weight: 1 } ]\n";
 
-/// The head's lines as a pingora request header (lines that are not `name: value`, or
-/// that pingora refuses, are left out, as its parser would refuse them).
-fn request_header(head: &[u8]) -> Option<RequestHeader> {
-    let mut req = RequestHeader::build("POST", b"/v1/chat/completions", None).ok()?;
-    for line in head.split(|&b| b == b'\n').skip(1) {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let Some(colon) = line.iter().position(|&b| b == b':') else { continue };
-        let (Ok(name), Ok(value)) = (std::str::from_utf8(&line[..colon]), std::str::from_utf8(&line[colon + 1..]))
-        else {
-            continue;
-        };
-        let _ = req.append_header(name.trim().to_string(), value.trim());
+/// The head as the gateway parses it (completed with an empty line); when it refuses it,
+/// the head's `name: value` lines under a `POST /v1/chat/completions` request line.
+fn request_head(head: &[u8]) -> RequestHead {
+    let mut buf = BytesMut::from(head);
+    if !head.ends_with(b"\r\n\r\n") {
+        buf.extend_from_slice(b"\r\n\r\n");
     }
-    Some(req)
+    if let Ok(Some(parsed)) = RequestHead::parse(&mut buf, 65_536, 100) {
+        return parsed;
+    }
+    let lines = head.split(|&b| b == b'\n').skip(1).filter_map(|line| {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let colon = line.iter().position(|&b| b == b':')?;
+        let name = std::str::from_utf8(&line[..colon]).ok()?.trim();
+        Some((name, line[colon + 1..].trim_ascii()))
+    });
+    RequestHead::from_parts("POST", "/v1/chat/completions", lines)
 }
 
 /// Run the request path over `data`.
@@ -50,8 +55,6 @@ pub fn request_path(data: &[u8]) {
         Some(i) => (&data[..i], &data[i + 1..]),
         None => (data, &[][..]),
     };
-    let fields = head.split(|&b| b == b'\n').count();
-    let _ = check_head(head, fields, 65_536, 100);
     let auth = Authenticator::build(
         true,
         vec![ApiKeyConfig {
@@ -78,12 +81,12 @@ pub fn request_path(data: &[u8]) {
         Some(crate::request::tokens::PromptInput::Text(_)) | None => {}
     }
 
-    let Some(req) = request_header(head) else { return };
+    let req = request_head(head);
     let active = Active::for_config(GatewayConfig::parse(CONFIG).expect("the fuzz config is valid"));
     let plan = plan_request(&req, body, &active, tenant.as_deref(), None);
     let is_object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
         && serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| v.is_object());
-    let content_type = req.headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
+    let content_type = req.get_str("content-type").unwrap_or("");
     let boundary = crate::request::form_data_boundary(content_type).and_then(Result::ok);
     assert!(plan.is_err() || is_object || boundary.is_some(), "a plan only comes from a JSON object or a form");
     let Ok(plan) = plan else { return };

@@ -34,6 +34,7 @@ pub(crate) mod cluster;
 pub mod config;
 pub(crate) mod connection;
 pub(crate) mod discovery;
+pub mod downstream;
 pub(crate) mod drain;
 pub(crate) mod epp;
 pub mod error;

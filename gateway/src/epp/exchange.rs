@@ -17,13 +17,13 @@ use bytes::BytesMut;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Msg;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
-use pingora::http::RequestHeader;
 use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 
 use super::protocol;
 use crate::cluster::{Backend, BackendState};
 use crate::config::EppConfig;
+use crate::downstream::RequestHead;
 use crate::error::{ProxyError, UpstreamErrorKind};
 use crate::http::{EDGE_ONLY, REQUEST_ID};
 use crate::proxy::{plan_request, Admitted, InflightGuard, ProxyApp, RequestCtx};
@@ -115,11 +115,11 @@ impl Exchange {
             }
         };
         let head = match protocol::request_head(headers.headers.as_ref()) {
-            Ok(h) => h,
+            Ok(h) => RequestHead::from_pingora(&h),
             Err(e) => return self.refuse(&e).await,
         };
-        let mut ctx = RequestCtx::new(head.method.as_str(), head.uri.path());
-        ctx.take_request_id(head.headers.get(REQUEST_ID).map(|v| v.as_bytes()));
+        let mut ctx = RequestCtx::new(head.method(), head.path());
+        ctx.take_request_id(head.get(REQUEST_ID));
         match self.request(&head, headers.end_of_stream, meta.as_ref(), &mut ctx).await {
             Ok(mut routed) => {
                 let ended = self.response(&mut routed, &mut ctx).await;
@@ -143,12 +143,12 @@ impl Exchange {
     /// Phases `head` to `route`.
     async fn request(
         &mut self,
-        head: &RequestHeader,
+        head: &RequestHead,
         headers_only: bool,
         meta: Option<&Metadata>,
         ctx: &mut RequestCtx,
     ) -> Result<Routed, Stop> {
-        let authorization = head.headers.get("authorization").map(|v| v.as_bytes());
+        let authorization = head.get("authorization");
         if let Err(e) = self.app.admit(authorization, ctx).await {
             return Err(self.reject(e, ctx).await);
         }

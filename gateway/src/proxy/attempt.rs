@@ -14,13 +14,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
-use pingora::protocols::http::ServerSession;
 use pingora::protocols::Stream;
 use pingora::upstreams::peer::HttpPeer;
 
 use crate::admission::Ticket;
 use crate::cluster::Backend;
 use crate::config::GatewayConfig;
+use crate::downstream::Downstream;
 use crate::error::{ProxyError, UpstreamErrorKind};
 use crate::policy::RouteInput;
 use crate::state::Active;
@@ -112,7 +112,7 @@ impl ProxyApp {
     /// admission queue's) is let go once the request is counted in flight.
     pub(super) async fn attempt_loop(
         &self,
-        s: &mut ServerSession,
+        s: &mut Downstream<'_>,
         ctx: &mut RequestCtx,
         plan: &mut RoutePlan,
         planned_with: &Arc<Active>,
@@ -121,7 +121,7 @@ impl ProxyApp {
     ) -> bool {
         let active = self.state.active.load_full();
         if !Arc::ptr_eq(&active, planned_with) {
-            plan.fit_policy(s.req_header(), body, &active, self.state.kv_events.as_deref());
+            plan.fit_policy(s.head(), body, &active, self.state.kv_events.as_deref());
         }
         let plan = &*plan;
         self.state.retry_budget.lock().record_request(Instant::now());
@@ -134,7 +134,7 @@ impl ProxyApp {
             let mut inflight = InflightGuard::new(backend.clone(), pick.uncached, pick.work, plan.stream);
             drop(ticket.take());
             let id = ctx.request_id.as_deref().unwrap_or("");
-            match self.exchange(s, &backend, &ctx.path, body, &active.config, id).await {
+            match self.exchange(s, &backend, body, &active.config, id).await {
                 Ok((_, head)) if self.retry_status(&active, plan, ctx, pick.index, head.status) => {}
                 Ok((up, head)) => return self.stream(s, up, head, &active, pick.index, ctx, &mut inflight).await,
                 Err(AttemptError::Refused(error)) => return self.fail(s, error, ctx).await,
@@ -333,9 +333,8 @@ impl ProxyApp {
     /// Connect, send the request and wait for the response header (or the client leaving).
     async fn exchange(
         &self,
-        s: &mut ServerSession,
+        s: &mut Downstream<'_>,
         backend: &Backend,
-        path: &str,
         body: &Bytes,
         cfg: &GatewayConfig,
         request_id: &str,
@@ -358,15 +357,15 @@ impl ProxyApp {
             },
         };
         let fwd = Forwarded {
-            peer: s.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip()),
+            peer: s.peer(),
             proto: if cfg.tls.is_some() { "https" } else { "http" },
             request_id,
             strip_authorization: cfg.auth.enabled(),
         };
         // The query string goes too: the route's bytes reach the engine as the client sent them.
-        let path = s.req_header().uri.path_and_query().map_or(path, |p| p.as_str());
+        let path = s.head().path_and_query();
         let mut head = BytesMut::new();
-        request_head(&mut head, s.req_header(), path, &backend.authority, body.len(), &fwd)
+        request_head(&mut head, s.head(), path, &backend.authority, body.len(), &fwd)
             .map_err(|e| AttemptError::Refused(ProxyError::BadRequest(format!("cannot forward this request: {e}"))))?;
         let sent = async {
             up.send(head, body, cfg.timeouts.idle()).await?;
@@ -374,7 +373,7 @@ impl ProxyApp {
         };
         let result = tokio::select! {
             r = sent => r,
-            _ = s.read_body_or_idle(true) => return Err(AttemptError::ClientGone),
+            () = s.closed() => return Err(AttemptError::ClientGone),
         };
         let kind = match result {
             Ok(head) => return Ok((up, head)),

@@ -28,20 +28,20 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
-use pingora::apps::{HttpPersistentSettings, HttpServerApp, HttpServerOptions, ReusedHttpStream};
+use pingora::apps::{HttpServerApp, HttpServerOptions, ReusedHttpStream};
 use pingora::protocols::http::v2::server::{default_h2_options, H2Options};
-use pingora::protocols::http::{ReusableHttpStream, ServerSession};
+use pingora::protocols::http::ServerSession;
+use pingora::protocols::Stream;
 use pingora::server::ShutdownWatch;
-use tokio::io::AsyncReadExt;
 
 use crate::access_log::AccessLine;
 use crate::auth::{Denied, Tenant};
 use crate::body_budget::{BodyBudget, BodyReservation};
 use crate::cluster::BackendState;
 use crate::config::GatewayConfig;
+use crate::downstream::{Downstream, H1Connection, H1Request, PingoraRequest};
 use crate::error::ProxyError;
-use crate::http::{respond, respond_with, REQUEST_ID};
-use crate::request::check_head;
+use crate::http::REQUEST_ID;
 use crate::shared_limits::{Fallback, Verdict};
 use crate::state::{Active, GatewayState};
 use ctx::Ledger;
@@ -50,10 +50,6 @@ pub(crate) use attempt::InflightGuard;
 pub(crate) use ctx::RequestCtx;
 pub use plan::{plan_request, RoutePlan};
 pub(crate) use queue::Admitted;
-
-/// Room for the first read of a kept-alive connection's next request (pingora's own first
-/// header read starts with the same).
-const FIRST_READ_BYTES: usize = 4096;
 
 /// The OpenAI API listener.
 pub struct ProxyApp {
@@ -74,6 +70,8 @@ impl ProxyApp {
     }
 }
 
+/// pingora serves HTTP/2 (each stream a session); HTTP/1.1 connections are served by
+/// [`ProxyApp::serve_h1`] instead ([`crate::connection::Edge`] hands them over).
 #[async_trait]
 impl HttpServerApp for ProxyApp {
     async fn process_new_http(
@@ -81,20 +79,38 @@ impl HttpServerApp for ProxyApp {
         mut session: ServerSession,
         shutdown: &ShutdownWatch,
     ) -> Option<ReusedHttpStream> {
-        let in_flight = self.state.lifecycle.in_flight.enter();
-        if !self.read_head(&mut session, shutdown).await {
+        let _in_flight = self.state.lifecycle.in_flight.enter();
+        let limits = self.state.active.load().config.limits.clone();
+        let mut shutdown_rx = shutdown.clone();
+        let read = tokio::select! {
+            r = tokio::time::timeout(limits.header_read_timeout(), session.read_request()) => r,
+            _ = shutdown_rx.changed() => return None,
+        };
+        match read {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false) | Err(_)) => return None,
+            Err(_) => {
+                self.state.metrics.header_timeouts.inc();
+                return None;
+            }
+        }
+        let mut s = Downstream::Pingora(Box::new(PingoraRequest::new(session)));
+        // HTTP/2's decoded header list is capped by the h2 settings (`h2_options`); the
+        // field count is checked here.
+        if s.head().len() > limits.max_headers {
+            let e = ProxyError::HeaderTooLarge(format!(
+                "request has {} header fields; at most {}",
+                s.head().len(),
+                limits.max_headers
+            ));
+            self.reject(&mut s, e, &mut RequestCtx::new("", "")).await;
             return None;
         }
-        let keepalive = (!*shutdown.borrow()).then_some(CLIENT_KEEPALIVE_SECS);
-        session.set_keepalive(keepalive);
-        if !self.handle(&mut session).await {
-            return None;
+        self.handle(&mut s).await;
+        if let Downstream::Pingora(p) = s {
+            let _ = p.into_session().finish().await;
         }
-        let settings = HttpPersistentSettings::for_session(&session);
-        let reusable = session.finish().await.ok()??;
-        // Waiting for the next request is not in flight: a drain does not wait for it.
-        drop(in_flight);
-        self.await_next_request(reusable, settings, shutdown).await
+        None
     }
 
     fn server_options(&self) -> Option<&HttpServerOptions> {
@@ -102,7 +118,7 @@ impl HttpServerApp for ProxyApp {
     }
 
     /// pingora's bounded defaults, with `limits.max_header_bytes` as the decoded header
-    /// list limit (HTTP/1 heads are checked in `read_head`).
+    /// list limit (HTTP/1 heads are checked by [`RequestHead::parse`](crate::downstream::RequestHead::parse)).
     fn h2_options(&self) -> Option<H2Options> {
         let max = self.state.active.load().config.limits.max_header_bytes;
         let mut options = default_h2_options();
@@ -111,93 +127,73 @@ impl HttpServerApp for ProxyApp {
     }
 }
 
-/// The keep-alive a finished HTTP/1 response announces; the wait itself is
-/// `limits.idle_connection_timeout_ms` ([`ProxyApp::await_next_request`]).
-const CLIENT_KEEPALIVE_SECS: u64 = 60;
-
 impl ProxyApp {
-    /// Phase `read_head`: true when a head within the limits was read (an answer, if one
-    /// is due, was sent and the connection is to be closed otherwise).
-    async fn read_head(&self, session: &mut ServerSession, shutdown: &ShutdownWatch) -> bool {
-        let limits = self.state.active.load().config.limits.clone();
-        let mut shutdown_rx = shutdown.clone();
-        // The deadline also bounds an idle keep-alive connection waiting for its next request.
-        let read = tokio::select! {
-            r = tokio::time::timeout(limits.header_read_timeout(), session.read_request()) => r,
-            // Shutting down: an idle connection is closed rather than kept for a request.
-            _ = shutdown_rx.changed() => return false,
-        };
-        match read {
-            Ok(Ok(true)) => {}
-            Ok(Ok(false)) => return false,
-            Ok(Err(e)) => {
-                // Only the kind: pingora's error carries the raw head, which may hold an
-                // `Authorization` key.
-                tracing::debug!(error = e.etype().as_str(), "failed to read a request header");
-                if e.etype() == &pingora::ErrorType::InvalidHTTPHeader {
-                    let _ = session.respond_error(400).await;
+    /// Serve an HTTP/1.1 connection: its requests one after the other while both sides
+    /// keep it alive. Phase `read_head` for each: the head within
+    /// `limits.header_read_timeout_ms` — counted from the connection's start, or from the
+    /// first byte of a kept-alive connection's next request, which may take up to
+    /// `limits.idle_connection_timeout_ms` to arrive — and the head limits (431, 400).
+    /// Closed past a deadline, on EOF, or when the gateway shuts down (between requests).
+    pub(crate) async fn serve_h1(&self, stream: Stream, shutdown: &ShutdownWatch) {
+        let mut conn = H1Connection::new(stream);
+        let mut shutdown = shutdown.clone();
+        let mut first = true;
+        loop {
+            let limits = self.state.active.load().config.limits.clone();
+            if !first && !conn.has_buffered() {
+                let read = tokio::select! {
+                    r = tokio::time::timeout(limits.idle_connection_timeout(), conn.wait_readable()) => r,
+                    _ = shutdown.changed() => return,
+                };
+                match read {
+                    Ok(true) => {}
+                    Ok(false) => return,
+                    Err(_) => {
+                        self.state.metrics.idle_connections_closed.inc();
+                        return;
+                    }
                 }
-                return false;
             }
-            Err(_) => {
-                self.state.metrics.header_timeouts.inc();
-                return false;
-            }
-        }
-        // HTTP/2's decoded header list is capped by the h2 settings (`h2_options`); the
-        // field count and one framing are checked here for both.
-        let raw = session.as_http1().map(|h1| h1.get_headers_raw_bytes()).unwrap_or_default();
-        let fields = session.req_header().headers.len();
-        if let Err(e) = check_head(&raw, fields, limits.max_header_bytes, limits.max_headers) {
-            session.set_keepalive(None);
-            let mut ctx = RequestCtx::new("", "");
-            self.reject(session, e, &mut ctx).await;
-            return false;
-        }
-        true
-    }
-
-    /// An idle HTTP/1 keep-alive connection: wait up to `limits.idle_connection_timeout_ms`
-    /// for the next request's first bytes, which go to the next session as a prefix (so its
-    /// header deadline starts when the client starts sending). Closed past it, on EOF or
-    /// when the gateway shuts down.
-    async fn await_next_request(
-        &self,
-        reusable: ReusableHttpStream,
-        mut settings: HttpPersistentSettings,
-        shutdown: &ShutdownWatch,
-    ) -> Option<ReusedHttpStream> {
-        let (mut stream, prefix) = reusable.into_parts();
-        let mut next = prefix.unwrap_or_default();
-        if next.is_empty() {
-            if *shutdown.borrow() {
-                return None;
-            }
-            let idle = self.state.active.load().config.limits.idle_connection_timeout();
-            let mut shutdown = shutdown.clone();
-            next.reserve(FIRST_READ_BYTES);
+            first = false;
             let read = tokio::select! {
-                r = tokio::time::timeout(idle, stream.read_buf(&mut next)) => r,
-                _ = shutdown.changed() => return None,
+                r = tokio::time::timeout(
+                    limits.header_read_timeout(),
+                    conn.read_head(limits.max_header_bytes, limits.max_headers),
+                ) => r,
+                _ = shutdown.changed() => return,
             };
-            match read {
-                Ok(Ok(n)) if n > 0 => {}
-                Ok(_) => return None,
-                Err(_) => {
-                    self.state.metrics.idle_connections_closed.inc();
-                    return None;
+            let head = match read {
+                Ok(Ok(Some(head))) => head,
+                Ok(Ok(None)) => return,
+                Ok(Err(e)) => {
+                    // Only the kind: the head may hold an `Authorization` key.
+                    tracing::debug!(error = e.kind(), "failed to read a request header");
+                    self.state.metrics.rejected.with_label_values(&[e.kind(), ""]).inc();
+                    conn.refuse(&e).await;
+                    return;
                 }
+                Err(_) => {
+                    self.state.metrics.header_timeouts.inc();
+                    return;
+                }
+            };
+            let in_flight = self.state.lifecycle.in_flight.enter();
+            let keepalive = !*shutdown.borrow();
+            let mut s = Downstream::H1(H1Request::new(&mut conn, head, keepalive));
+            let reusable = self.handle(&mut s).await;
+            if !(reusable && matches!(&s, Downstream::H1(r) if r.reusable())) {
+                return;
             }
+            // Waiting for the next request is not in flight: a drain does not wait for it.
+            drop(in_flight);
         }
-        settings.set_pipelined_prefix(next);
-        Some(ReusedHttpStream::new(stream, Some(settings)))
     }
 
     /// One request, routed by method and path; true when the connection may be reused.
-    async fn handle(&self, s: &mut ServerSession) -> bool {
-        let head = s.req_header();
-        let mut ctx = RequestCtx::new(head.method.as_str(), head.uri.path());
-        let authorization = s.get_header("authorization").map(|v| v.as_bytes());
+    async fn handle(&self, s: &mut Downstream<'_>) -> bool {
+        let head = s.head();
+        let mut ctx = RequestCtx::new(head.method(), head.path());
+        let authorization = head.get("authorization");
         let reusable = match self.admit(authorization, &mut ctx).await {
             Err(e) => self.reject(s, e, &mut ctx).await,
             Ok(()) => self.route(s, &mut ctx).await,
@@ -207,25 +203,25 @@ impl ProxyApp {
     }
 
     /// The answer for `ctx`'s method and path.
-    async fn route(&self, s: &mut ServerSession, ctx: &mut RequestCtx) -> bool {
+    async fn route(&self, s: &mut Downstream<'_>, ctx: &mut RequestCtx) -> bool {
         match (ctx.method.as_ref(), ctx.path.as_ref()) {
             ("GET", "/-/healthz") => {
                 ctx.status = 200;
-                respond(s, 200, "text/plain", Bytes::from_static(b"ok\n"), None).await
+                s.respond(200, "text/plain", Bytes::from_static(b"ok\n"), &[]).await
             }
             ("GET", "/-/ready") => {
                 let (status, body) = self.readiness();
                 ctx.status = status;
-                respond(s, status, "text/plain", Bytes::from(body), None).await
+                s.respond(status, "text/plain", Bytes::from(body), &[]).await
             }
             ("GET", "/v1/models") => {
                 ctx.status = 200;
-                respond(s, 200, "application/json", Bytes::from(self.models_body()), None).await
+                s.respond(200, "application/json", Bytes::from(self.models_body()), &[]).await
             }
             ("GET", path) if path.starts_with(MODEL_PREFIX) => match self.model_body(&path[MODEL_PREFIX.len()..]) {
                 Ok(body) => {
                     ctx.status = 200;
-                    respond(s, 200, "application/json", Bytes::from(body), None).await
+                    s.respond(200, "application/json", Bytes::from(body), &[]).await
                 }
                 Err(e) => self.fail(s, e, ctx).await,
             },
@@ -316,8 +312,8 @@ impl ProxyApp {
     }
 
     /// A completion: `read_and_plan` → `queue` → `attempt` (→ `stream`).
-    async fn proxy(&self, s: &mut ServerSession, ctx: &mut RequestCtx) -> bool {
-        ctx.take_request_id(s.get_header(REQUEST_ID).map(|v| v.as_bytes()));
+    async fn proxy(&self, s: &mut Downstream<'_>, ctx: &mut RequestCtx) -> bool {
+        ctx.take_request_id(s.head().get(REQUEST_ID));
         let (body, mut plan, planned_with) = match self.read_and_plan(s, ctx).await {
             Ok(x) => x,
             Err(e) => return self.reject_or_fail(s, e, ctx).await,
@@ -328,7 +324,7 @@ impl ProxyApp {
         // Hold the request while no engine can take it; then route on what is current.
         let tenant = ctx.tenant.as_ref().map(|t| t.name.as_str());
         // The body was read whole: anything the client does now is leaving.
-        let gone = s.read_body_or_idle(true);
+        let gone = s.closed();
         let ticket = match self.queue(gone, &plan.model, ctx.started, plan.priority, tenant).await {
             queue::Admitted::Go(t) => t,
             queue::Admitted::Refused(e) => return self.reject_or_fail(s, e, ctx).await,
@@ -345,13 +341,13 @@ impl ProxyApp {
     /// Also returns the snapshot the plan was made under.
     async fn read_and_plan(
         &self,
-        s: &mut ServerSession,
+        s: &mut Downstream<'_>,
         ctx: &mut RequestCtx,
     ) -> Result<(Bytes, RoutePlan, Arc<Active>), ProxyError> {
         let active = self.state.active.load_full();
         let body = read_body(s, &active.config, &self.state.bodies, &mut ctx.body_held).await?;
         ctx.request_bytes = body.len();
-        let plan = plan_request(s.req_header(), &body, &active, ctx.tenant.as_deref(), self.state.kv_events.as_deref());
+        let plan = plan_request(s.head(), &body, &active, ctx.tenant.as_deref(), self.state.kv_events.as_deref());
         if let Ok(p) = &plan {
             ctx.stream = p.stream;
             ctx.model = Some(p.model.clone());
@@ -384,7 +380,7 @@ impl ProxyApp {
 
     /// [`Self::reject`] for the gateway's own refusals (limits, keys, rates), [`Self::fail`]
     /// for everything else.
-    async fn reject_or_fail(&self, s: &mut ServerSession, e: ProxyError, ctx: &mut RequestCtx) -> bool {
+    async fn reject_or_fail(&self, s: &mut Downstream<'_>, e: ProxyError, ctx: &mut RequestCtx) -> bool {
         if matches!(e, ProxyError::RateLimited { .. } | ProxyError::TenantQueueFull { .. } | ProxyError::BodyBufferFull)
         {
             self.reject(s, e, ctx).await
@@ -395,23 +391,25 @@ impl ProxyApp {
 
     /// [`Self::fail`] for a request the gateway refuses on its own (header limits, keys,
     /// rates), counted in `switchyard_rejected_total{reason,tenant}`.
-    pub(crate) async fn reject(&self, s: &mut ServerSession, e: ProxyError, ctx: &mut RequestCtx) -> bool {
+    pub(crate) async fn reject(&self, s: &mut Downstream<'_>, e: ProxyError, ctx: &mut RequestCtx) -> bool {
         self.state.metrics.rejected.with_label_values(&[e.kind(), ctx.tenant_name()]).inc();
         self.fail(s, e, ctx).await
     }
 
     /// Answer `e` in the OpenAI shape; true when the connection may be reused.
-    async fn fail(&self, s: &mut ServerSession, e: ProxyError, ctx: &mut RequestCtx) -> bool {
+    async fn fail(&self, s: &mut Downstream<'_>, e: ProxyError, ctx: &mut RequestCtx) -> bool {
         ctx.status = e.status();
         ctx.error_kind = Some(e.kind());
         let retry_after = e.retry_after_secs();
         // A request whose body was not (fully) read cannot leave a reusable connection.
         let body_done = s.is_body_done();
         if !body_done {
-            s.set_keepalive(None);
+            s.close_after();
         }
-        let id = ctx.request_id.as_deref();
-        respond_with(s, e.status(), "application/json", Bytes::from(e.body()), retry_after, id).await && body_done
+        let retry_after = retry_after.map(|secs| secs.to_string());
+        let fields = [("retry-after", retry_after.as_deref()), (REQUEST_ID, ctx.request_id.as_deref())];
+        let fields: Vec<(&str, &str)> = fields.iter().filter_map(|(k, v)| v.map(|v| (*k, v))).collect();
+        s.respond(e.status(), "application/json", Bytes::from(e.body()), &fields).await && body_done
     }
 
     /// Phase `finish`: settle the tenant's token charge, count the request and write its
@@ -553,20 +551,17 @@ pub(crate) fn routable(active: &Active, model: &str, tried: &[usize]) -> (Vec<cr
 /// deadline. The buffer's bytes are held in `held` (a declared length before any byte is
 /// read; a chunked body's allocation as it grows) until the request ends.
 async fn read_body(
-    s: &mut ServerSession,
+    s: &mut Downstream<'_>,
     cfg: &GatewayConfig,
     bodies: &Arc<BodyBudget>,
     held: &mut Option<BodyReservation>,
 ) -> Result<Bytes, ProxyError> {
     let limit = cfg.limits.max_body_bytes;
     let cap = cfg.limits.max_buffered_body_bytes;
-    let declared = match s.get_header("content-length") {
-        None => 0,
-        Some(cl) => cl
-            .to_str()
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .ok_or_else(|| ProxyError::BadRequest("invalid Content-Length".into()))?,
+    // The session checked the framing: a length is one number of digits.
+    let declared = match s.head().body_framing() {
+        crate::downstream::head::BodyFraming::Length(n) => n,
+        crate::downstream::head::BodyFraming::Chunked => 0,
     };
     if declared > limit {
         return Err(ProxyError::BodyTooLarge { limit });
@@ -574,10 +569,8 @@ async fn read_body(
     let reservation = held.insert(bodies.reserve(declared, cap).ok_or(ProxyError::BodyBufferFull)?);
     let read = async {
         let mut buf = BytesMut::with_capacity(declared as usize);
-        while let Some(chunk) = s
-            .read_request_body()
-            .await
-            .map_err(|e| ProxyError::BadRequest(format!("could not read the request body: {e}")))?
+        while let Some(chunk) =
+            s.read_body().await.map_err(|e| ProxyError::BadRequest(format!("could not read the request body: {e}")))?
         {
             if (buf.len() + chunk.len()) as u64 > limit {
                 return Err(ProxyError::BodyTooLarge { limit });
@@ -622,7 +615,7 @@ mod tests {
     /// was 9% of the gateway's instructions. Rare paths with big futures get their own box.
     #[test]
     fn the_per_request_future_stays_small() {
-        let handle = returned_size(|app: &'static ProxyApp, s: &'static mut ServerSession| app.handle(s));
+        let handle = returned_size(|app: &'static ProxyApp, s: &'static mut Downstream<'static>| app.handle(s));
         // 4,192 bytes in a debug build with pingora 0.9.1 before the request path was split
         // into phases, 3,632 after (release builds are smaller).
         eprintln!("the request handler's future: {handle} bytes");

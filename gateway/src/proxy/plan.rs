@@ -4,9 +4,8 @@
 //! The proxy and the fuzz target ([`crate::fuzzing`]) call the same function, so the fuzzer
 //! exercises the real request path, not a copy of it.
 
-use pingora::http::RequestHeader;
-
 use crate::auth::Tenant;
+use crate::downstream::RequestHead;
 use crate::error::ProxyError;
 use crate::kv_events::subscriber::{KvEventsShared, PrecisePrompt};
 use crate::request::{canonical_prompt_blocks, form_data_boundary, form_routing_fields, routing_fields};
@@ -50,7 +49,7 @@ pub struct RoutePlan {
 /// 400 for a body that is not a JSON object with well-typed routing fields, or one that
 /// names no model while several are served.
 pub fn plan_request(
-    head: &RequestHeader,
+    head: &RequestHead,
     body: &[u8],
     active: &Active,
     tenant: Option<&Tenant>,
@@ -65,7 +64,7 @@ pub fn plan_request(
     let (model, alias, model_rewrite) = match fields.model {
         Some(asked) => match cfg.models.get(&asked) {
             Some(split) => {
-                let session = head.headers.get(split.session_header.as_str()).map(|v| v.as_bytes());
+                let session = head.get(split.session_header.as_str());
                 let target = split.choose(session, rand::random()).to_string();
                 // In a form the value is raw bytes; in JSON, a string literal.
                 let value = match boundary {
@@ -88,8 +87,8 @@ pub fn plan_request(
         .admission
         .priority_header
         .as_ref()
-        .and_then(|h| head.headers.get(h.as_str()))
-        .and_then(|v| v.to_str().ok()?.trim().parse::<i32>().ok());
+        .and_then(|h| head.get_str(h.as_str()))
+        .and_then(|v| v.trim().parse::<i32>().ok());
     let priority = match asked {
         Some(p) => p.min(ceiling),
         None => tenant.map_or(0, |t| t.priority),
@@ -115,8 +114,8 @@ pub fn plan_request(
 }
 
 /// The multipart boundary when the request is a `multipart/form-data` upload.
-fn form_boundary(head: &RequestHeader) -> Option<Result<&str, String>> {
-    let content_type = head.headers.get("content-type")?.to_str().ok()?;
+fn form_boundary(head: &RequestHead) -> Option<Result<&str, String>> {
+    let content_type = head.get_str("content-type")?;
     form_data_boundary(content_type)
 }
 
@@ -141,7 +140,7 @@ impl RoutePlan {
     /// estimate, and its precise block keys when `kv` can tokenize (prefix-aware policies);
     /// the session header (`session`). Called again when a reload changed the policy while
     /// the request waited in the queue.
-    pub fn fit_policy(&mut self, head: &RequestHeader, body: &[u8], active: &Active, kv: Option<&KvEventsShared>) {
+    pub fn fit_policy(&mut self, head: &RequestHead, body: &[u8], active: &Active, kv: Option<&KvEventsShared>) {
         let policy = &active.policy;
         let pcfg = &active.config.prefix_index;
         // A form (an audio upload) has no prompt to hash.
@@ -157,8 +156,7 @@ impl RoutePlan {
             self.prompt_tokens = 0;
             self.precise = None;
         }
-        self.session =
-            policy.session_header().and_then(|h| head.headers.get(h)).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        self.session = policy.session_header().and_then(|h| head.get_str(h)).map(str::to_owned);
     }
 }
 
@@ -174,12 +172,8 @@ mod tests {
         Active::for_config(GatewayConfig::parse(&yaml).unwrap())
     }
 
-    fn head(headers: &[(&str, &str)]) -> RequestHeader {
-        let mut h = RequestHeader::build("POST", b"/v1/chat/completions", None).unwrap();
-        for (n, v) in headers {
-            h.append_header(n.to_string(), *v).unwrap();
-        }
-        h
+    fn head(headers: &[(&str, &str)]) -> RequestHead {
+        RequestHead::from_parts("POST", "/v1/chat/completions", headers.iter().map(|(n, v)| (*n, v.as_bytes())))
     }
 
     #[test]

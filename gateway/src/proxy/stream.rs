@@ -9,12 +9,10 @@
 use std::time::Instant;
 
 use bytes::BytesMut;
-use http::{HeaderName, HeaderValue};
-use pingora::http::ResponseHeader;
 use pingora::prelude::fast_timeout::fast_timeout;
-use pingora::protocols::http::ServerSession;
 
 use crate::cluster::Backend;
+use crate::downstream::Downstream;
 use crate::error::{ProxyError, UpstreamErrorKind};
 use crate::state::Active;
 use crate::upstream::{EngineConnection, EngineIoError, Framing, Progress, ResponseHead};
@@ -22,16 +20,6 @@ use crate::upstream::{EngineConnection, EngineIoError, Framing, Progress, Respon
 use super::attempt::InflightGuard;
 use super::ctx::RequestCtx;
 use super::ProxyApp;
-
-/// The client-bound head for the engine's `head`: its status and end-to-end headers (the
-/// parser dropped the hop-by-hop ones and the length).
-fn response_head(head: &ResponseHead) -> Option<ResponseHeader> {
-    let mut resp = ResponseHeader::build_no_case(head.status, Some(head.headers.len() + 3)).ok()?;
-    for (name, value) in &head.headers {
-        let _ = resp.append_header(name.clone(), value.clone());
-    }
-    Some(resp)
-}
 
 /// The body bytes already taken when the head was sent, and where the body stood then.
 type Started = (BytesMut, Result<Progress, EngineIoError>);
@@ -42,7 +30,7 @@ impl ProxyApp {
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn stream(
         &self,
-        s: &mut ServerSession,
+        s: &mut Downstream<'_>,
         mut up: EngineConnection,
         head: ResponseHead,
         active: &Active,
@@ -54,6 +42,11 @@ impl ProxyApp {
         let Some((mut buf, mut next)) = self.send_head(s, &mut up, head, active, index, ctx).await else {
             return false;
         };
+        // Nothing of the body yet (a stream in prefill): the head leaves now.
+        if buf.is_empty() && matches!(next, Ok(Progress::More)) && !s.flush_head().await {
+            ctx.client_gone();
+            return false;
+        }
         let idle = active.config.timeouts.idle();
         let backend = &active.cluster.backends[index];
         loop {
@@ -71,7 +64,7 @@ impl ProxyApp {
             }
             next = tokio::select! {
                 r = fast_timeout(idle, up.read_body(&mut buf)) => r.unwrap_or(Err(EngineIoError::ReadTimeout)),
-                _ = s.read_body_or_idle(true) => {
+                () = s.closed() => {
                     // The client left: dropping `up` closes the engine connection (abort).
                     ctx.client_gone();
                     return false;
@@ -85,7 +78,7 @@ impl ProxyApp {
     /// client is gone or the head cannot be built.
     async fn send_head(
         &self,
-        s: &mut ServerSession,
+        s: &mut Downstream<'_>,
         up: &mut EngineConnection,
         head: ResponseHead,
         active: &Active,
@@ -105,16 +98,10 @@ impl ProxyApp {
             Framing::Length(n) if ctx.writeback.is_none() => Some(n),
             _ => None,
         };
-        let mut resp = response_head(&head)?;
-        if let Some(id) = &ctx.request_id {
-            if let Ok(v) = HeaderValue::from_str(id) {
-                let _ = resp.insert_header(HeaderName::from_static(crate::http::REQUEST_ID), v);
-            }
-        }
         // What the engine has sent already, taken without waiting. When that is the whole
-        // body (a short or non-streamed answer), the response leaves with a Content-Length:
-        // pingora then holds the header until the body is written and both go out in one
-        // write. Otherwise it is chunked and pingora flushes the header at once.
+        // body (a short or non-streamed answer), the response leaves with a Content-Length,
+        // its head and body in one write. Otherwise it is chunked (HTTP/1.1), and the head
+        // leaves with the first bytes of the body.
         let mut buf = BytesMut::with_capacity(4096);
         let next = up.take_buffered(&mut buf);
         if matches!(next, Ok(Progress::Ended)) {
@@ -123,14 +110,15 @@ impl ProxyApp {
                 buf = BytesMut::from(&w.apply(&buf, true)[..]);
             }
         }
-        if let Some(n) = engine_length {
-            let _ = resp.insert_header(http::header::CONTENT_LENGTH, HeaderValue::from(n));
-        } else if matches!(next, Ok(Progress::Ended)) {
-            let _ = resp.insert_header(http::header::CONTENT_LENGTH, HeaderValue::from(buf.len()));
-        } else if !s.is_http2() {
-            let _ = resp.insert_header(http::header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
-        }
-        if s.write_response_header(Box::new(resp)).await.is_err() {
+        let length = match engine_length {
+            Some(n) => usize::try_from(n).ok(),
+            None if matches!(next, Ok(Progress::Ended)) => Some(buf.len()),
+            None => None,
+        };
+        let id = ctx.request_id.as_deref().filter(|id| http::HeaderValue::from_str(id).is_ok());
+        let fields = head.headers.iter().map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()));
+        let fields = fields.chain(id.map(|id| (crate::http::REQUEST_ID.as_bytes(), id.as_bytes())));
+        if !s.write_head(head.status, fields, length).await {
             ctx.client_gone();
             return None;
         }
@@ -141,7 +129,7 @@ impl ProxyApp {
     /// error event instead of a silent truncation. The connection is not reusable.
     async fn broken(
         &self,
-        s: &mut ServerSession,
+        s: &mut Downstream<'_>,
         e: &EngineIoError,
         is_sse: bool,
         active: &Active,
@@ -156,9 +144,9 @@ impl ProxyApp {
         self.upstream_failed(active, Some(index), kind, e);
         ctx.error_kind = Some(kind.label());
         if is_sse {
-            let _ = s.write_response_body(ProxyError::StreamBroken(kind).sse_event().into(), true).await;
+            s.write_body(ProxyError::StreamBroken(kind).sse_event().into(), true).await;
         }
-        s.set_keepalive(None);
+        s.close_after();
         false
     }
 
@@ -167,7 +155,7 @@ impl ProxyApp {
     /// gone.
     async fn forward(
         &self,
-        s: &mut ServerSession,
+        s: &mut Downstream<'_>,
         buf: &mut BytesMut,
         end: bool,
         backend: &Backend,
@@ -192,7 +180,7 @@ impl ProxyApp {
         if ctx.charged.is_some() {
             ctx.usage.observe(buf);
         }
-        if s.write_response_body(buf.split().freeze(), end).await.is_err() {
+        if !s.write_body(buf.split().freeze(), end).await {
             ctx.client_gone();
             return false;
         }

@@ -244,32 +244,6 @@ impl<'de> Visitor<'de> for CountItems {
     }
 }
 
-/// Checks of a request head that pingora's parser leaves to us: the size and field count
-/// limits, and a request that carried both `Content-Length` and `Transfer-Encoding`
-/// (pingora drops the length and reads chunks, RFC 9112 §6.3; an edge proxy refuses such
-/// a request outright, since the client and some other hop may disagree on where it
-/// ends). `raw` is the head as received (HTTP/1), `fields` its field count.
-pub fn check_head(raw: &[u8], fields: usize, max_bytes: usize, max_fields: usize) -> Result<(), ProxyError> {
-    if raw.len() > max_bytes {
-        return Err(ProxyError::HeaderTooLarge(format!(
-            "request header of {} bytes is larger than the limit of {max_bytes}",
-            raw.len()
-        )));
-    }
-    if fields > max_fields {
-        return Err(ProxyError::HeaderTooLarge(format!("request has {fields} header fields; at most {max_fields}")));
-    }
-    let has = |name: &[u8]| {
-        raw.split(|&b| b == b'\n').skip(1).any(|line| {
-            line.len() > name.len() && line[..name.len()].eq_ignore_ascii_case(name) && line[name.len()] == b':'
-        })
-    };
-    if has(b"transfer-encoding") && has(b"content-length") {
-        return Err(ProxyError::BadRequest("a request may not carry both Content-Length and Transfer-Encoding".into()));
-    }
-    Ok(())
-}
-
 /// Counts what a response used, for token budgets: the `usage.total_tokens` of the last
 /// usage object seen (a non-streamed body, or a stream's `include_usage` chunk), else the
 /// number of SSE data events (about one token each).
@@ -357,21 +331,6 @@ mod tests {
         );
         assert_eq!(routing_fields(br#"{"max_tokens":-1}"#, &PromptLimits::NONE).unwrap().max_tokens, None);
         assert_eq!(routing_fields(br#"{"max_tokens":1e99}"#, &PromptLimits::NONE).unwrap().max_tokens, None);
-    }
-
-    #[test]
-    fn heads_over_the_limits_or_with_two_framings_are_refused() {
-        let ok = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n";
-        assert!(check_head(ok, 2, 1024, 100).is_ok());
-        assert_eq!(check_head(ok, 2, 16, 100).unwrap_err().status(), 431);
-        assert_eq!(check_head(ok, 101, 1024, 100).unwrap_err().status(), 431);
-        let both = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\ncontent-length: 5\r\n\r\n";
-        assert_eq!(check_head(both, 2, 1024, 100).unwrap_err().status(), 400);
-        let bare_lf = b"POST / HTTP/1.1\nTRANSFER-ENCODING: chunked\nContent-Length:5\n\n";
-        assert_eq!(check_head(bare_lf, 2, 1024, 100).unwrap_err().status(), 400);
-        // A field merely containing the name is not the field.
-        let value = b"POST / HTTP/1.1\r\nX-Note: content-length: 5\r\nTransfer-Encoding: chunked\r\n\r\n";
-        assert!(check_head(value, 2, 1024, 100).is_ok());
     }
 
     #[test]

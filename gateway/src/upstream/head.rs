@@ -3,9 +3,9 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue};
-use pingora::http::RequestHeader;
 
 use super::body::Framing;
+use crate::downstream::RequestHead;
 use crate::http::{EDGE_ONLY, HOP_BY_HOP, REQUEST_ID};
 
 /// The most response header fields read from an engine.
@@ -37,7 +37,7 @@ pub struct Unwritable(&'static str);
 /// `X-Forwarded-Proto` and `X-Request-Id`. Header names go out in lower case.
 pub(crate) fn request_head(
     out: &mut BytesMut,
-    client: &RequestHeader,
+    client: &RequestHead,
     path: &str,
     authority: &str,
     body_len: usize,
@@ -49,31 +49,28 @@ pub(crate) fn request_head(
             return Err(Unwritable(what));
         }
     }
-    out.reserve(256 + path.len() + client.headers.len() * 48);
+    out.reserve(256 + path.len() + client.size());
     put(out, &[b"POST ", path.as_bytes(), b" HTTP/1.1\r\nhost: ", authority.as_bytes(), b"\r\n"]);
-    let connection = client.headers.get_all(http::header::CONNECTION);
-    let named = |n: &str| {
-        connection
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|c| c.trim().eq_ignore_ascii_case(n))
+    let named = |n: &[u8]| {
+        client
+            .get_all("connection")
+            .flat_map(|v| v.split(|&b| b == b','))
+            .any(|c| c.trim_ascii().eq_ignore_ascii_case(n))
     };
     let mut chain: Option<Vec<&[u8]>> = None;
-    for (name, value) in client.headers.iter() {
-        let n = name.as_str();
-        if n == "x-forwarded-for" {
-            chain.get_or_insert_with(Vec::new).push(value.as_bytes());
+    for (name, value) in client.fields() {
+        if name == b"x-forwarded-for" {
+            chain.get_or_insert_with(Vec::new).push(value);
             continue;
         }
-        let dropped = HOP_BY_HOP.contains(&n)
-            || EDGE_ONLY.contains(&n)
-            || (fwd.strip_authorization && n == "authorization")
-            || n == "x-forwarded-proto"
-            || n == REQUEST_ID
-            || named(n);
+        let dropped = HOP_BY_HOP.iter().any(|h| h.as_bytes() == name)
+            || EDGE_ONLY.iter().any(|h| h.as_bytes() == name)
+            || (fwd.strip_authorization && name == b"authorization")
+            || name == b"x-forwarded-proto"
+            || name == REQUEST_ID.as_bytes()
+            || named(name);
         if !dropped {
-            put(out, &[n.as_bytes(), b": ", value.as_bytes(), b"\r\n"]);
+            put(out, &[name, b": ", value, b"\r\n"]);
         }
     }
     put(out, &[b"content-length: ", itoa::Buffer::new().format(body_len).as_bytes(), b"\r\n"]);
@@ -233,16 +230,12 @@ pub(crate) fn parse_response_head(buf: &mut BytesMut) -> Result<Option<ResponseH
 mod tests {
     use super::*;
 
-    fn client(headers: &[(&str, &str)]) -> RequestHeader {
-        let mut req = RequestHeader::build("POST", b"/v1/completions", None).unwrap();
-        for (n, v) in headers {
-            req.append_header(n.to_string(), *v).unwrap();
-        }
-        req
+    fn client(headers: &[(&str, &str)]) -> RequestHead {
+        RequestHead::from_parts("POST", "/v1/completions", headers.iter().map(|(n, v)| (*n, v.as_bytes())))
     }
 
     /// The head `request_head` writes, parsed back: the request line and the fields.
-    fn written(req: &RequestHeader, fwd: &Forwarded<'_>) -> (String, Vec<(String, String)>) {
+    fn written(req: &RequestHead, fwd: &Forwarded<'_>) -> (String, Vec<(String, String)>) {
         let mut out = BytesMut::new();
         request_head(&mut out, req, "/v1/completions?x=1", "engine:8000", 7, fwd).unwrap();
         let mut fields = [httparse::EMPTY_HEADER; 64];

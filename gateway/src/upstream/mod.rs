@@ -21,10 +21,8 @@ use pingora::prelude::fast_timeout::fast_timeout;
 use pingora::protocols::Stream;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-pub(crate) use body::{BodyError, Framing, Progress};
+pub(crate) use body::{BodyDecoder, BodyError, Framing, Progress};
 pub(crate) use head::{request_head, Forwarded, HeadError, ResponseHead};
-
-use body::BodyDecoder;
 
 /// Room made before each read from an engine.
 const READ_BYTES: usize = 16 * 1024;
