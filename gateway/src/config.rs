@@ -736,11 +736,12 @@ impl LimitsConfig {
                 errs.add(name, 0, "must be > 0");
             }
         }
-        if self.max_header_bytes < 1024 {
-            errs.add("limits.max_header_bytes", self.max_header_bytes, "must be >= 1024");
+        if !(1024..=1 << 20).contains(&self.max_header_bytes) {
+            // A head is buffered whole while it is read: at most 1 MiB per connection.
+            errs.add("limits.max_header_bytes", self.max_header_bytes, "must be in 1024..=1048576");
         }
-        if !(8..=256).contains(&self.max_headers) {
-            // pingora's parser stops at 256 fields.
+        if !(8..=crate::downstream::head::MAX_FIELDS).contains(&self.max_headers) {
+            // The head parser has room for 256 fields.
             errs.add("limits.max_headers", self.max_headers, "must be in 8..=256");
         }
         for (name, v) in [

@@ -34,6 +34,17 @@ pub struct RequestHead {
     path_len: u32,
     http10: bool,
     fields: Vec<(Span, Span)>,
+    /// What the framing and connection fields say, read once when parsed.
+    hop: Hop,
+}
+
+/// What a head's framing and connection fields say.
+#[derive(Clone, Copy, Debug, Default)]
+struct Hop {
+    framing: Option<BodyFraming>,
+    close: bool,
+    keep_alive: bool,
+    expect_continue: bool,
 }
 
 /// A range of `raw`, kept small.
@@ -106,9 +117,10 @@ impl RequestHead {
             buf[name.range()].make_ascii_lowercase();
         }
         let raw = buf.split_to(len).freeze();
-        let mut head = RequestHead { raw, method, target, path_len: 0, http10: minor == 0, fields };
+        let mut head =
+            RequestHead { raw, method, target, path_len: 0, http10: minor == 0, fields, hop: Hop::default() };
+        head.hop = head.read_hop()?;
         head.resolve_target()?;
-        head.check_framing()?;
         Ok(Some(head))
     }
 
@@ -134,7 +146,18 @@ impl RequestHead {
             spans.push((Span::of(n..v), Span::of(v..raw.len())));
         }
         let path_len = path_and_query.find('?').unwrap_or(path_and_query.len()) as u32;
-        RequestHead { raw: raw.freeze(), method, target, path_len, http10: false, fields: spans }
+        let mut head = RequestHead {
+            raw: raw.freeze(),
+            method,
+            target,
+            path_len,
+            http10: false,
+            fields: spans,
+            hop: Hop::default(),
+        };
+        // A head from parts is not checked (HTTP/2's framing is its own); what it says is read.
+        head.hop = head.read_hop().unwrap_or_default();
+        head
     }
 
     /// The head of an HTTP/2 request as pingora parsed it.
@@ -205,33 +228,20 @@ impl RequestHead {
         self.fields().filter(move |(n, _)| n.eq_ignore_ascii_case(name.as_bytes())).map(|(_, v)| v)
     }
 
-    /// Whether a comma-separated field `name` lists `token` (case-insensitive).
-    pub fn lists(&self, name: &str, token: &str) -> bool {
-        self.get_all(name)
-            .flat_map(|v| v.split(|&b| b == b','))
-            .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
-    }
-
     /// How the body is framed (checked when parsed).
     pub fn body_framing(&self) -> BodyFraming {
-        if self.get("transfer-encoding").is_some() {
-            return BodyFraming::Chunked;
-        }
-        BodyFraming::Length(self.content_length().ok().flatten().unwrap_or(0))
+        self.hop.framing.unwrap_or(BodyFraming::Length(0))
     }
 
     /// Whether the client keeps the connection open after this request: HTTP/1.1 unless
     /// `Connection: close`, HTTP/1.0 only with `Connection: keep-alive`.
     pub fn wants_keepalive(&self) -> bool {
-        if self.lists("connection", "close") {
-            return false;
-        }
-        !self.http10 || self.lists("connection", "keep-alive")
+        !self.hop.close && (!self.http10 || self.hop.keep_alive)
     }
 
     /// Whether the client asks for `100 Continue` before sending its body.
     pub fn expects_continue(&self) -> bool {
-        !self.http10 && self.get("expect").is_some_and(|v| v.trim_ascii().eq_ignore_ascii_case(b"100-continue"))
+        !self.http10 && self.hop.expect_continue
     }
 
     fn str(&self, s: Span) -> &str {
@@ -272,48 +282,57 @@ impl RequestHead {
         Ok(())
     }
 
-    /// One unambiguous framing and authority.
-    fn check_framing(&self) -> Result<(), ProxyError> {
-        let mut hosts = self.get_all("host");
-        if let (Some(host), second) = (hosts.next(), hosts.next()) {
-            if second.is_some() {
-                return Err(bad("multiple Host header fields"));
-            }
-            if host.contains(&b'@') {
-                return Err(bad("userinfo in Host header"));
+    /// The framing and connection fields, in one pass (names are lower case here), checked
+    /// for one unambiguous framing and authority.
+    fn read_hop(&self) -> Result<Hop, ProxyError> {
+        let mut hop = Hop::default();
+        let (mut hosts, mut codings, mut chunked, mut length) = (0, 0, false, None::<u64>);
+        for (name, value) in self.fields() {
+            match name {
+                b"host" => {
+                    hosts += 1;
+                    if value.contains(&b'@') {
+                        return Err(bad("userinfo in Host header"));
+                    }
+                }
+                b"transfer-encoding" => {
+                    for coding in value.split(|&b| b == b',') {
+                        codings += 1;
+                        chunked = coding.trim_ascii().eq_ignore_ascii_case(b"chunked");
+                    }
+                }
+                b"content-length" => {
+                    for v in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+                        let n = (!v.is_empty() && v.len() <= 19 && v.iter().all(u8::is_ascii_digit))
+                            .then(|| v.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
+                            .ok_or_else(|| bad("invalid Content-Length"))?;
+                        if length.is_some_and(|l| l != n) {
+                            return Err(bad("differing Content-Length values"));
+                        }
+                        length = Some(n);
+                    }
+                }
+                b"connection" => {
+                    for token in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+                        hop.close |= token.eq_ignore_ascii_case(b"close");
+                        hop.keep_alive |= token.eq_ignore_ascii_case(b"keep-alive");
+                    }
+                }
+                b"expect" => hop.expect_continue = value.trim_ascii().eq_ignore_ascii_case(b"100-continue"),
+                _ => {}
             }
         }
-        let te = self.get_all("transfer-encoding").flat_map(|v| v.split(|&b| b == b',')).map(<[u8]>::trim_ascii);
-        let te: Vec<&[u8]> = te.collect();
-        if !te.is_empty() {
-            if self.get("content-length").is_some() {
-                return Err(bad("a request may not carry both Content-Length and Transfer-Encoding"));
-            }
-            if self.http10 {
-                return Err(bad("an HTTP/1.0 request may not carry Transfer-Encoding"));
-            }
-            if !(te.len() == 1 && te[0].eq_ignore_ascii_case(b"chunked")) {
-                return Err(bad("Transfer-Encoding other than chunked is not supported"));
-            }
+        if hosts > 1 {
+            return Err(bad("multiple Host header fields"));
         }
-        self.content_length().map(|_| ())
-    }
-
-    /// The `Content-Length`: every value (fields and comma-separated lists) the same number
-    /// of digits, or none.
-    fn content_length(&self) -> Result<Option<u64>, ProxyError> {
-        let mut length = None;
-        for value in self.get_all("content-length").flat_map(|v| v.split(|&b| b == b',')) {
-            let v = value.trim_ascii();
-            let n = (!v.is_empty() && v.len() <= 19 && v.iter().all(u8::is_ascii_digit))
-                .then(|| v.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
-                .ok_or_else(|| bad("invalid Content-Length"))?;
-            if length.is_some_and(|l| l != n) {
-                return Err(bad("differing Content-Length values"));
-            }
-            length = Some(n);
-        }
-        Ok(length)
+        hop.framing = Some(match (codings, length) {
+            (0, n) => BodyFraming::Length(n.unwrap_or(0)),
+            (_, Some(_)) => return Err(bad("a request may not carry both Content-Length and Transfer-Encoding")),
+            _ if self.http10 => return Err(bad("an HTTP/1.0 request may not carry Transfer-Encoding")),
+            (1, None) if chunked => BodyFraming::Chunked,
+            _ => return Err(bad("Transfer-Encoding other than chunked is not supported")),
+        });
+        Ok(hop)
     }
 }
 

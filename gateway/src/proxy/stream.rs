@@ -116,7 +116,7 @@ impl ProxyApp {
             None => None,
         };
         let id = ctx.request_id.as_deref().filter(|id| http::HeaderValue::from_str(id).is_ok());
-        let fields = head.headers.iter().map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()));
+        let fields = head.fields();
         let fields = fields.chain(id.map(|id| (crate::http::REQUEST_ID.as_bytes(), id.as_bytes())));
         if !s.write_head(head.status, fields, length).await {
             ctx.client_gone();

@@ -1,8 +1,9 @@
 //! The heads of the engine leg: the request head the gateway writes (straight into bytes,
 //! no header map built for it) and the response head it parses. Pure.
 
+use std::ops::Range;
+
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use http::header::{HeaderName, HeaderValue};
 
 use super::body::Framing;
 use crate::downstream::RequestHead;
@@ -121,15 +122,24 @@ fn put(out: &mut BytesMut, parts: &[&[u8]]) {
 pub(crate) struct ResponseHead {
     /// The status code.
     pub status: u16,
-    /// The end-to-end headers as the engine sent them (hop-by-hop ones dropped, and the
-    /// `Content-Length`, which [`ResponseHead::framing`] carries).
-    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// The head's bytes (names lower-cased), which `fields` point into.
+    raw: Bytes,
+    /// The end-to-end fields as the engine sent them (hop-by-hop ones dropped, and the
+    /// `Content-Length`, which [`ResponseHead::framing`] carries): name and value spans.
+    fields: Vec<(Range<usize>, Range<usize>)>,
     /// How the body's end is known.
     pub framing: Framing,
     /// The engine keeps the connection open after this response.
     pub keepalive: bool,
     /// `Content-Type: text/event-stream`.
     pub is_sse: bool,
+}
+
+impl ResponseHead {
+    /// The end-to-end fields, names in lower case, in the order sent.
+    pub fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
+        self.fields.iter().map(|(n, v)| (&self.raw[n.clone()], &self.raw[v.clone()]))
+    }
 }
 
 /// A response head the gateway does not accept.
@@ -165,11 +175,13 @@ pub(crate) fn parse_response_head(buf: &mut BytesMut) -> Result<Option<ResponseH
     let (mut chunked, mut transfer_encoding, mut length) = (false, false, None::<u64>);
     let (mut close, mut keep_alive, mut is_sse) = (false, false, false);
     let start = buf.as_ptr() as usize;
+    let span = |b: &[u8]| b.as_ptr() as usize - start..b.as_ptr() as usize - start + b.len();
     let mut kept = Vec::with_capacity(resp.headers.len());
     for h in resp.headers.iter() {
-        let name = HeaderName::from_bytes(h.name.as_bytes()).map_err(|e| HeadError::Malformed(e.to_string()))?;
-        let n = name.as_str();
-        if n == "content-length" {
+        // httparse checked the name is a token and the value has no control bytes.
+        let n = h.name.as_bytes();
+        let is = |name: &str| n.eq_ignore_ascii_case(name.as_bytes());
+        if is("content-length") {
             let v = std::str::from_utf8(h.value).ok().and_then(|v| v.trim().parse::<u64>().ok());
             match (v, length) {
                 (Some(v), None) => length = Some(v),
@@ -178,22 +190,21 @@ pub(crate) fn parse_response_head(buf: &mut BytesMut) -> Result<Option<ResponseH
             }
             continue;
         }
-        if n == "transfer-encoding" {
+        if is("transfer-encoding") {
             transfer_encoding = true;
             // The last coding decides (RFC 9112 §6.3).
             let last = h.value.rsplit(|&b| b == b',').next().unwrap_or_default();
             chunked = last.trim_ascii().eq_ignore_ascii_case(b"chunked");
-        } else if n == "connection" {
+        } else if is("connection") {
             for token in h.value.split(|&b| b == b',') {
                 close |= token.trim_ascii().eq_ignore_ascii_case(b"close");
                 keep_alive |= token.trim_ascii().eq_ignore_ascii_case(b"keep-alive");
             }
-        } else if n == "content-type" {
+        } else if is("content-type") {
             is_sse = h.value.starts_with(b"text/event-stream");
         }
-        if !HOP_BY_HOP.contains(&n) {
-            let at = h.value.as_ptr() as usize - start;
-            kept.push((name, at..at + h.value.len()));
+        if !HOP_BY_HOP.iter().any(|hop| is(hop)) {
+            kept.push((span(n), span(h.value)));
         }
     }
     let framing = if (100..200).contains(&status) || status == 204 || status == 304 {
@@ -213,17 +224,14 @@ pub(crate) fn parse_response_head(buf: &mut BytesMut) -> Result<Option<ResponseH
     // connection is not reused.
     let ambiguous = transfer_encoding && length.is_some();
     let keepalive = (if http11 { !close } else { keep_alive }) && framing != Framing::UntilClose && !ambiguous;
-    // One copy of the head for the values to point into: `buf` stays the connection's own,
-    // reused for the next response instead of shared with headers a client session holds.
-    let head = Bytes::copy_from_slice(&buf[..len]);
-    buf.advance(len);
-    let mut headers = Vec::with_capacity(kept.len());
-    for (name, range) in kept {
-        let value =
-            HeaderValue::from_maybe_shared(head.slice(range)).map_err(|e| HeadError::Malformed(e.to_string()))?;
-        headers.push((name, value));
+    // One copy of the head for the fields to point into: `buf` stays the connection's own,
+    // reused for the next response instead of shared with a head the request holds.
+    let mut raw = BytesMut::from(&buf[..len]);
+    for (name, _) in &kept {
+        raw[name.clone()].make_ascii_lowercase();
     }
-    Ok(Some(ResponseHead { status, headers, framing, keepalive, is_sse }))
+    buf.advance(len);
+    Ok(Some(ResponseHead { status, raw: raw.freeze(), fields: kept, framing, keepalive, is_sse }))
 }
 
 #[cfg(test)]
@@ -329,14 +337,13 @@ mod tests {
     #[test]
     fn response_heads_say_their_framing_and_whether_the_connection_stays() {
         let (h, n) = parse(
-            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\nx-a: 1\r\n\r\nbody",
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\n\r\nbody",
         )
         .unwrap()
         .unwrap();
         assert_eq!((h.status, h.framing, h.keepalive, h.is_sse, n), (200, Framing::Chunked, true, true, 4));
-        assert_eq!(h.headers[0].1.as_bytes(), b"text/event-stream");
-        let names: Vec<&str> = h.headers.iter().map(|(n, _)| n.as_str()).collect();
-        assert_eq!(names, ["content-type", "x-a"]);
+        let fields: Vec<(&[u8], &[u8])> = h.fields().collect();
+        assert_eq!(fields, [(&b"content-type"[..], &b"text/event-stream"[..]), (b"x-a", b"1")]);
         let (h, _) = parse("HTTP/1.1 200 OK\r\ncontent-length: 12\r\nConnection: close\r\n\r\n").unwrap().unwrap();
         assert_eq!((h.framing, h.keepalive), (Framing::Length(12), false));
         let (h, _) = parse("HTTP/1.0 200 OK\r\ncontent-length: 1\r\n\r\n").unwrap().unwrap();

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""System calls per proxied request: the gateway beside NGINX and Envoy, counted by `strace -c`.
+
+One instant engine, each proxy in front of it with the configuration of
+`gateway_vs_proxies.py` (the gateway with its defaults), and for each proxy in turn: strace
+attached to every thread of the proxy's processes, N streamed 16-in / 16-out completions
+through it (switchyard-loadtest, concurrency 8 on 8 keep-alive connections opened first),
+strace detached. Prints each proxy's calls per request by system call (those at ≥ 0.1 per
+request) and in all. strace slows the traced process many times over, so the counts (not the
+times) are the figure.
+
+Bars: none (the counts are reported, docs/performance.md). Exit status: 0 once counted, 2 when
+it could not count (a setup error).
+
+Usage: python3 loadtest/bench/syscalls.py [REQUESTS]   (default 2000)
+"""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import procs  # noqa: E402
+from procs import ROOT  # noqa: E402
+
+procs.WORK = os.path.join(ROOT, ".cache", "bench", "syscalls")
+PROXIES = ["nginx", "envoy", "gateway"]
+
+
+def threads_of(pids):
+    tids = []
+    for pid in pids:
+        tids += [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    return tids
+
+
+def count(name, pids, url, n):
+    """Calls by system call while `n` requests go through `url`, and the requests counted."""
+    out = os.path.join(procs.WORK, f"strace-{name}.txt")
+    cmd = ["strace", "-c", "-f", "-q", "-o", out]
+    for tid in threads_of(pids):
+        cmd += ["-p", str(tid)]
+    tracer = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached
+    x = procs.loadtest(f"load-{name}", [(name, url)], "--concurrency", "8", "--requests", str(n),
+                       "--prewarm-connections", "8", "--timeout-s", "60")[name]
+    tracer.send_signal(signal.SIGINT)
+    tracer.wait(timeout=30)
+    if x.get("failed", 0):
+        raise procs.SetupError(f"{name}: {x['failed']} failed requests; see {procs.WORK}")
+    calls = {}
+    with open(out) as f:
+        for line in f:
+            # % time, seconds, usecs/call, calls, [errors,] syscall
+            m = re.match(r"\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?(\w+)\s*$", line)
+            if m and m.group(2) != "total":
+                calls[m.group(2)] = int(m.group(1))
+    return calls, x.get("completed", n)
+
+
+def main():
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    for tool, package in [("nginx", "nginx-light"), ("strace", "strace")]:
+        if not shutil.which(tool):
+            subprocess.run(["apt-get", "install", "-y", "-qq", package], check=True)
+    subprocess.run(["cargo", "build", "--release", "--locked", "-p", "switchyard-engine", "-p", "switchyard-gateway",
+                    "-p", "switchyard-loadtest"], cwd=ROOT, check=True)
+    shutil.rmtree(procs.WORK, ignore_errors=True)
+    os.makedirs(procs.WORK)
+    _, engine = procs.start_engine("--sim-profile", "instant")
+    servers, urls = {}, {}
+    servers["nginx"], urls["nginx"] = procs.start_nginx("nginx", engine)
+    servers["envoy"], urls["envoy"] = procs.start_envoy("envoy", engine)
+    servers["gateway"], urls["gateway"] = procs.start_gateway("gateway", engine)
+    per = {}
+    for name in PROXIES:
+        p = servers[name]
+        pids = procs.family(p.pid) if name == "nginx" else [p.pid]
+        calls, done = count(name, pids, urls[name], n)
+        per[name] = {k: v / done for k, v in calls.items()}
+    names = sorted({k for v in per.values() for k, c in v.items() if c >= 0.1},
+                   key=lambda k: -per["gateway"].get(k, 0))
+    print(f"\n## System calls per request ({n} streamed 16/16 completions, concurrency 8, strace -c)\n")
+    print("| system call | " + " | ".join(PROXIES) + " |")
+    print("|---|" + "---:|" * len(PROXIES))
+    for k in names:
+        print(f"| {k} | " + " | ".join(f"{per[p].get(k, 0):.2f}" for p in PROXIES) + " |")
+    totals = {p: sum(per[p].values()) for p in PROXIES}
+    print("| **all** | " + " | ".join(f"**{totals[p]:.2f}**" for p in PROXIES) + " |")
+    print(f"\ngateway ÷ nginx: {totals['gateway'] / totals['nginx']:.2f}×; "
+          f"gateway ÷ envoy: {totals['gateway'] / totals['envoy']:.2f}×")
+    print("bars: none (this benchmark reports figures only)")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except procs.SetupError as e:
+        print(f"setup error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        procs.kill_all()
