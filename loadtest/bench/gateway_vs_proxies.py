@@ -37,7 +37,6 @@ Usage: python3 loadtest/bench/gateway_vs_proxies.py [--quick] [--kv-events] [--g
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -141,13 +140,7 @@ def open_streams_rss(gateway_config, binary, alt_config):
 def main():
     args = parse_args()
     seconds, rounds_n = (3, 1) if args.quick else (6, 3)
-    for tool, package in [("nginx", "nginx-light"), ("wrk", "wrk")]:
-        if not shutil.which(tool):
-            subprocess.run(["apt-get", "install", "-y", "-qq", package], check=True)
-    subprocess.run(["cargo", "build", "--release", "--locked", "-p", "switchyard-engine", "-p", "switchyard-gateway",
-                    "-p", "switchyard-loadtest"], cwd=ROOT, check=True)
-    shutil.rmtree(procs.WORK, ignore_errors=True)
-    os.makedirs(procs.WORK)
+    procs.prepare([("nginx", "nginx-light"), ("wrk", "wrk")])
     binary = args.gateway_bin
     gw_config = args.gateway_config
     models = {True: "work-stealing", False: "per-core"}

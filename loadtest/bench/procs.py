@@ -8,6 +8,7 @@ Every process started here is killed by `kill_all` (each benchmark passes it to
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,18 @@ ENVOY = os.environ.get("SWITCHYARD_ENVOY", os.path.join(ROOT, ".cache", "envoy",
 WORK = os.path.join(ROOT, ".cache", "bench", "proxies")
 TICKS = os.sysconf("SC_CLK_TCK")
 procs = []
+
+
+def prepare(tools):
+    """Install each missing `(command, Debian package)`, build the release binaries the
+    benchmarks run, and start with an empty work folder."""
+    for tool, package in tools:
+        if not shutil.which(tool):
+            subprocess.run(["apt-get", "install", "-y", "-qq", package], check=True)
+    subprocess.run(["cargo", "build", "--release", "--locked", "-p", "switchyard-engine", "-p", "switchyard-gateway",
+                    "-p", "switchyard-loadtest"], cwd=ROOT, check=True)
+    shutil.rmtree(WORK, ignore_errors=True)
+    os.makedirs(WORK)
 
 
 def free_port():

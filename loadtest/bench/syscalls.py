@@ -16,7 +16,6 @@ Usage: python3 loadtest/bench/syscalls.py [REQUESTS]   (default 2000)
 """
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -63,13 +62,7 @@ def count(name, pids, url, n):
 
 def main():
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
-    for tool, package in [("nginx", "nginx-light"), ("strace", "strace")]:
-        if not shutil.which(tool):
-            subprocess.run(["apt-get", "install", "-y", "-qq", package], check=True)
-    subprocess.run(["cargo", "build", "--release", "--locked", "-p", "switchyard-engine", "-p", "switchyard-gateway",
-                    "-p", "switchyard-loadtest"], cwd=ROOT, check=True)
-    shutil.rmtree(procs.WORK, ignore_errors=True)
-    os.makedirs(procs.WORK)
+    procs.prepare([("nginx", "nginx-light"), ("strace", "strace")])
     _, engine = procs.start_engine("--sim-profile", "instant")
     servers, urls = {}, {}
     servers["nginx"], urls["nginx"] = procs.start_nginx("nginx", engine)

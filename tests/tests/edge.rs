@@ -154,6 +154,12 @@ async fn oversized_heads_and_smuggling_attempts_never_reach_an_engine() {
     let huge = format!("X-Huge: {}\r\n", "b".repeat(2 * 1024 * 1024));
     let (resp, _) = raw_exchange(g.addr, &request(&huge, body), limit).await;
     assert!([431, 400].contains(&status(&resp)), "past pingora's own cap: {resp:.200}");
+    // A refused client that is still sending gets its answer: the gateway reads and drops
+    // the rest before closing, so no TCP reset destroys the 431 on its way.
+    for _ in 0..3 {
+        let (resp, closed) = raw_exchange(g.addr, &request(&big, &"x".repeat(4 << 20)), limit).await;
+        assert!(status(&resp) == 431 && closed, "{resp:.200}");
+    }
 
     // The smuggling corpus: each carries a second request in what one side would call the body.
     let second = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 42\r\n\r\n".to_string() + body;

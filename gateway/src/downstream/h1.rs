@@ -19,7 +19,7 @@
 
 use std::io;
 use std::net::IpAddr;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use pingora::protocols::Stream;
@@ -31,6 +31,12 @@ use crate::upstream::{BodyDecoder, Framing};
 
 /// Room added to the read buffer before each read.
 const READ_BYTES: usize = 8 * 1024;
+
+/// How long a lingering close waits for the client's next bytes, and for all of them
+/// (NGINX's `lingering_timeout` and `lingering_time`, shorter: the gateway only lingers
+/// after refusing a request).
+const LINGER_IDLE: Duration = Duration::from_secs(1);
+const LINGER_TOTAL: Duration = Duration::from_secs(5);
 
 /// One client connection: the stream and what was read from it but not used yet.
 pub struct H1Connection {
@@ -88,6 +94,26 @@ impl H1Connection {
         out.put_slice(b"\r\n");
         out.put_slice(body.as_bytes());
         let _ = self.write(&out, &Bytes::new()).await;
+    }
+
+    /// Close while the client may still be sending (a refused head, a body left unread):
+    /// half-close the gateway's side, then read and drop what arrives until the client
+    /// closes, pauses [`LINGER_IDLE`] or [`LINGER_TOTAL`] passes. Closing a socket with
+    /// unread bytes sends a TCP reset, and a reset can destroy the answer before the client
+    /// reads it (RFC 9112, section 9.6).
+    pub async fn linger(mut self) {
+        if self.stream.shutdown().await.is_err() {
+            return;
+        }
+        let deadline = tokio::time::Instant::now() + LINGER_TOTAL;
+        let mut sink = [0u8; READ_BYTES];
+        while let Ok(Ok(Ok(n))) =
+            tokio::time::timeout_at(deadline, tokio::time::timeout(LINGER_IDLE, self.stream.read(&mut sink))).await
+        {
+            if n == 0 {
+                return;
+            }
+        }
     }
 
     /// Write `head` (framing included) then `data`, and flush.

@@ -170,6 +170,7 @@ impl ProxyApp {
                     tracing::debug!(error = e.kind(), "failed to read a request header");
                     self.state.metrics.rejected.with_label_values(&[e.kind(), ""]).inc();
                     conn.refuse(&e).await;
+                    conn.linger().await;
                     return;
                 }
                 Err(_) => {
@@ -181,7 +182,15 @@ impl ProxyApp {
             let keepalive = !*shutdown.borrow();
             let mut s = Downstream::H1(H1Request::new(&mut conn, head, keepalive));
             let reusable = self.handle(&mut s).await;
-            if !(reusable && matches!(&s, Downstream::H1(r) if r.reusable())) {
+            let (reusable, body_unread) = match &s {
+                Downstream::H1(r) => (reusable && r.reusable(), !r.is_body_done()),
+                Downstream::Pingora(_) => (false, false),
+            };
+            if !reusable {
+                drop(s);
+                if body_unread {
+                    conn.linger().await;
+                }
                 return;
             }
             // Waiting for the next request is not in flight: a drain does not wait for it.
