@@ -8,7 +8,9 @@ use crate::auth::Tenant;
 use crate::downstream::RequestHead;
 use crate::error::ProxyError;
 use crate::kv_events::subscriber::{KvEventsShared, PrecisePrompt};
-use crate::request::{canonical_prompt_blocks, form_data_boundary, form_routing_fields, routing_fields};
+use crate::request::{
+    canonical_prompt_blocks, form_data_boundary, form_routing_fields, routing_fields, routing_fields_and_blocks,
+};
 use crate::state::Active;
 
 /// What a request will be routed and charged as.
@@ -57,9 +59,15 @@ pub fn plan_request(
 ) -> Result<RoutePlan, ProxyError> {
     let cfg = &active.config;
     let boundary = form_boundary(head).transpose().map_err(ProxyError::BadRequest)?;
-    let fields = match boundary {
-        Some(boundary) => form_routing_fields(body, boundary)?,
-        None => routing_fields(body, &cfg.limits.prompt_limits())?,
+    // A policy that reads prefixes gets the prompt's block hashes from the same pass.
+    let (fields, blocks) = match boundary {
+        Some(boundary) => (form_routing_fields(body, boundary)?, None),
+        None if active.policy.uses_prefix() => {
+            let (fields, blocks) =
+                routing_fields_and_blocks(body, &cfg.limits.prompt_limits(), cfg.prefix_index.block_bytes)?;
+            (fields, Some(blocks))
+        }
+        None => (routing_fields(body, &cfg.limits.prompt_limits())?, None),
     };
     let (model, alias, model_rewrite) = match fields.model {
         Some(asked) => match cfg.models.get(&asked) {
@@ -109,7 +117,7 @@ pub fn plan_request(
         alias,
         model_rewrite,
     };
-    plan.fit_policy(head, body, active, kv);
+    plan.fit_policy_with(head, body, active, kv, blocks);
     Ok(plan)
 }
 
@@ -141,11 +149,24 @@ impl RoutePlan {
     /// the session header (`session`). Called again when a reload changed the policy while
     /// the request waited in the queue.
     pub fn fit_policy(&mut self, head: &RequestHead, body: &[u8], active: &Active, kv: Option<&KvEventsShared>) {
+        self.fit_policy_with(head, body, active, kv, None);
+    }
+
+    /// [`Self::fit_policy`], given the block hashes and prompt length when they were read
+    /// already (with the routing fields, under `active`'s block size).
+    fn fit_policy_with(
+        &mut self,
+        head: &RequestHead,
+        body: &[u8],
+        active: &Active,
+        kv: Option<&KvEventsShared>,
+        blocks: Option<(Vec<u64>, usize)>,
+    ) {
         let policy = &active.policy;
         let pcfg = &active.config.prefix_index;
         // A form (an audio upload) has no prompt to hash.
         if policy.uses_prefix() && form_boundary(head).is_none() {
-            let (hashes, len) = canonical_prompt_blocks(body, pcfg.block_bytes);
+            let (hashes, len) = blocks.unwrap_or_else(|| canonical_prompt_blocks(body, pcfg.block_bytes));
             self.hashes = hashes;
             self.prompt_tokens = pcfg.tokens(len);
             if self.precise.is_none() {

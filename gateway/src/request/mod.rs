@@ -9,14 +9,11 @@
 //! precise prefix routing.
 
 mod content;
+mod derived;
 mod multipart;
 mod prompt;
 pub mod tokens;
 
-use std::fmt;
-
-use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::error::ProxyError;
@@ -63,44 +60,71 @@ impl PromptLimits {
     pub const NONE: PromptLimits = PromptLimits { max_messages: usize::MAX, max_prompt_items: usize::MAX };
 }
 
-#[derive(Deserialize)]
-struct Raw<'a> {
-    #[serde(borrow)]
-    model: Option<&'a RawValue>,
-    #[serde(borrow)]
-    stream: Option<&'a RawValue>,
-    #[serde(borrow)]
-    max_tokens: Option<&'a RawValue>,
-    #[serde(borrow)]
-    max_completion_tokens: Option<&'a RawValue>,
-    messages: Option<Items>,
-    prompt: Option<Items>,
-}
-
 /// Parse the routing fields and check the prompt's size; the error names what is wrong.
 pub fn routing_fields(body: &[u8], limits: &PromptLimits) -> Result<RoutingFields, ProxyError> {
+    read_request(body, limits, prompt::NoText).map(|(fields, _)| fields)
+}
+
+/// [`routing_fields`] and, from the same pass over the body, the canonical prompt's block
+/// hashes and length (what [`canonical_prompt_blocks`] gives).
+pub fn routing_fields_and_blocks(
+    body: &[u8],
+    limits: &PromptLimits,
+    block_bytes: usize,
+) -> Result<(RoutingFields, (Vec<u64>, usize)), ProxyError> {
+    let (fields, hasher) = read_request(body, limits, prompt::BlockHasher::new(block_bytes, 0))?;
+    Ok((fields, (hasher.hashes, hasher.len)))
+}
+
+/// One pass over `body`: the routing fields, checked, and the canonical prompt in `proto`'s
+/// kind of sink.
+fn read_request<S: prompt::PromptSink>(
+    body: &[u8],
+    limits: &PromptLimits,
+    proto: S,
+) -> Result<(RoutingFields, S), ProxyError> {
+    let text = json_text(body)?;
+    let empty = proto.fresh(0);
+    let Ok(raw) = prompt::parse(text, proto) else {
+        // The derived reader decides what the one pass could not read; no prompt text.
+        return derived::routing_fields(text, limits).map(|fields| (fields, empty));
+    };
+    if let Some(top) = raw.messages {
+        if top > limits.max_messages {
+            return Err(ProxyError::too_long("messages", "an array", limits.max_messages, top));
+        }
+    }
+    if let Some(all) = raw.prompt_items {
+        if all > limits.max_prompt_items {
+            return Err(ProxyError::too_long("prompt", "prompts or token ids", limits.max_prompt_items, all));
+        }
+    }
+    let fields = checked_fields(text, raw.model, raw.stream, raw.max_tokens, raw.max_completion_tokens)?;
+    Ok((fields, raw.prompt))
+}
+
+/// `body` as text, when it may be a JSON object: it starts with `{` and is UTF-8.
+fn json_text(body: &[u8]) -> Result<&str, ProxyError> {
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
     if first != Some(&b'{') {
         return Err(ProxyError::BadRequest("request body must be a JSON object".into()));
     }
     // serde skips the bytes of fields it ignores without checking them: check UTF-8 first.
-    let text = std::str::from_utf8(body).map_err(|e| {
+    std::str::from_utf8(body).map_err(|e| {
         ProxyError::BadRequest(format!("request body is not valid JSON: invalid UTF-8 at byte {}", e.valid_up_to()))
-    })?;
-    let raw: Raw<'_> = serde_json::from_str(text)
-        .map_err(|e| ProxyError::BadRequest(format!("request body is not valid JSON: {e}")))?;
-    if let Some(Items { top, .. }) = raw.messages {
-        if top > limits.max_messages {
-            return Err(ProxyError::too_long("messages", "an array", limits.max_messages, top));
-        }
-    }
-    if let Some(Items { all, .. }) = raw.prompt {
-        if all > limits.max_prompt_items {
-            return Err(ProxyError::too_long("prompt", "prompts or token ids", limits.max_prompt_items, all));
-        }
-    }
+    })
+}
+
+/// The routing fields from their raw values in `text`.
+fn checked_fields(
+    text: &str,
+    model: Option<&RawValue>,
+    stream: Option<&RawValue>,
+    max_tokens: Option<&RawValue>,
+    max_completion_tokens: Option<&RawValue>,
+) -> Result<RoutingFields, ProxyError> {
     let (model, model_span) =
-        match raw.model {
+        match model {
             None => (None, None),
             Some(v) if v.get() == "null" => (None, None),
             Some(v) => (
@@ -113,7 +137,7 @@ pub fn routing_fields(body: &[u8], limits: &PromptLimits) -> Result<RoutingField
     if let Some(m) = &model {
         check_model_name(m)?;
     }
-    let stream = match raw.stream {
+    let stream = match stream {
         None => false,
         Some(v) => match v.get() {
             "true" => true,
@@ -123,7 +147,7 @@ pub fn routing_fields(body: &[u8], limits: &PromptLimits) -> Result<RoutingField
     };
     // The engines' precedence (vLLM, ours): `max_completion_tokens` first. Charging
     // `max_tokens` first let `{"max_tokens":1,"max_completion_tokens":100000}` pay for one.
-    let max_tokens = raw.max_completion_tokens.or(raw.max_tokens).and_then(|v| v.get().parse::<u64>().ok());
+    let max_tokens = max_completion_tokens.or(max_tokens).and_then(|v| v.get().parse::<u64>().ok());
     Ok(RoutingFields { model, model_span, stream, max_tokens })
 }
 
@@ -167,81 +191,6 @@ fn check_model_name(m: &str) -> Result<(), ProxyError> {
         return Err(ProxyError::BadRequest("model names hold no control characters".into()));
     }
     Ok(())
-}
-
-/// How many items a value holds, counted while it is skipped: `top`, the entries of an
-/// array (0 for anything else); `all`, those entries with each nested array counted by its
-/// own entries (`[[1,2],[3]]`: top 2, all 3).
-struct Items {
-    array: bool,
-    top: usize,
-    all: usize,
-}
-
-/// A value that is not an array: one item of its parent.
-const ONE: Items = Items { array: false, top: 0, all: 1 };
-
-impl<'de> Deserialize<'de> for Items {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(CountItems { nested: true })
-    }
-}
-
-/// Counts an array's entries (and, when `nested`, those of the arrays in it); any other
-/// value is skipped and counts as one item of its parent.
-struct CountItems {
-    nested: bool,
-}
-
-impl<'de> serde::de::DeserializeSeed<'de> for CountItems {
-    type Value = Items;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Items, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for CountItems {
-    type Value = Items;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("any value")
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Items, A::Error> {
-        let (mut top, mut all) = (0usize, 0usize);
-        if self.nested {
-            while let Some(inner) = seq.next_element_seed(CountItems { nested: false })? {
-                top += 1;
-                all = all.saturating_add(if inner.array { inner.top } else { 1 });
-            }
-        } else {
-            while seq.next_element::<IgnoredAny>()?.is_some() {
-                top += 1;
-            }
-            all = top;
-        }
-        Ok(Items { array: true, top, all })
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Items, A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(ONE)
-    }
-    fn visit_str<E>(self, _: &str) -> Result<Items, E> {
-        Ok(ONE)
-    }
-    fn visit_bool<E>(self, _: bool) -> Result<Items, E> {
-        Ok(ONE)
-    }
-    fn visit_i64<E>(self, _: i64) -> Result<Items, E> {
-        Ok(ONE)
-    }
-    fn visit_u64<E>(self, _: u64) -> Result<Items, E> {
-        Ok(ONE)
-    }
-    fn visit_f64<E>(self, _: f64) -> Result<Items, E> {
-        Ok(ONE)
-    }
-    fn visit_unit<E>(self) -> Result<Items, E> {
-        Ok(ONE)
-    }
 }
 
 /// Counts what a response used, for token budgets: the `usage.total_tokens` of the last
@@ -390,5 +339,87 @@ mod tests {
             assert_eq!(e.status(), 400);
             assert!(e.to_string().contains(needle), "{e}");
         }
+    }
+
+    /// A random value for a request body's field: the shapes requests have and the ones
+    /// they do not (wrong types, nesting, escapes, repeated keys).
+    fn value(rng: &mut rand::rngs::StdRng, depth: u32) -> String {
+        use rand::Rng;
+        let leaf = [
+            "null",
+            "true",
+            "false",
+            "0",
+            "-1",
+            "7",
+            "1.5",
+            "1e400",
+            "18446744073709551616",
+            r#""m""#,
+            r#""caf\u00e9 \"q\"""#,
+            r#""\ud83d\ude00""#,
+            r#""""#,
+        ];
+        match if depth > 3 { 0 } else { rng.random_range(0..6) } {
+            0 | 1 => leaf[rng.random_range(0..leaf.len())].to_string(),
+            2 | 3 => {
+                let n = rng.random_range(0..5);
+                let items: Vec<String> = (0..n).map(|_| value(rng, depth + 1)).collect();
+                format!("[{}]", items.join(" , "))
+            }
+            _ => {
+                let keys = ["role", "content", "text", "type", "model", "x"];
+                let n = rng.random_range(0..4);
+                let items: Vec<String> = (0..n)
+                    .map(|_| format!(r#""{}":{}"#, keys[rng.random_range(0..keys.len())], value(rng, depth + 1)))
+                    .collect();
+                format!("{{{}}}", items.join(","))
+            }
+        }
+    }
+
+    #[test]
+    fn the_one_pass_reader_agrees_with_the_derived_one_and_the_prompt_visitor() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(23);
+        let keys = ["model", "stream", "max_tokens", "max_completion_tokens", "messages", "prompt", "n", "model"];
+        let limits = [PromptLimits::NONE, PromptLimits { max_messages: 2, max_prompt_items: 3 }];
+        let (mut ok, mut refused, mut one_pass) = (0, 0, 0);
+        for case in 0..20_000 {
+            let n = rng.random_range(0..5);
+            let fields: Vec<String> = (0..n)
+                .map(|_| format!(r#""{}": {}"#, keys[rng.random_range(0..keys.len())], value(&mut rng, 0)))
+                .collect();
+            let mut body = format!("{{{}}}", fields.join(","));
+            match case % 10 {
+                0 => body.truncate(rng.random_range(0..=body.len())),
+                1 => body.push_str(" x"),
+                _ => {}
+            }
+            let body = body.as_bytes();
+            one_pass += usize::from(json_text(body).is_ok_and(|t| prompt::parse(t, prompt::NoText).is_ok()));
+            for limits in &limits {
+                let one = routing_fields(body, limits).map_err(|e| e.to_string());
+                let reference =
+                    json_text(body).and_then(|t| derived::routing_fields(t, limits)).map_err(|e| e.to_string());
+                assert_eq!(one, reference, "{}", String::from_utf8_lossy(body));
+                let both = routing_fields_and_blocks(body, limits, 5).map_err(|e| e.to_string());
+                match both {
+                    Ok((fields, blocks)) => {
+                        ok += 1;
+                        assert_eq!(Ok(fields), one);
+                        assert_eq!(blocks, canonical_prompt_blocks(body, 5), "{}", String::from_utf8_lossy(body));
+                    }
+                    Err(e) => {
+                        refused += 1;
+                        assert_eq!(Err(e), one);
+                    }
+                }
+            }
+        }
+        // Both answers, and mostly the one pass rather than the derived reader behind it.
+        assert!(ok > 5_000 && refused > 5_000, "{ok} accepted, {refused} refused");
+        assert!(one_pass > 8_000, "the one pass read {one_pass} bodies");
+        eprintln!("{ok} accepted, {refused} refused; the one pass read {one_pass} of 20000 bodies");
     }
 }

@@ -18,6 +18,7 @@ use std::fmt;
 
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
 /// The canonical prompt of `body` (see the module docs). The request path needs only its
 /// block hashes ([`canonical_prompt_blocks`]); the text is for tests and the fuzz target.
@@ -38,10 +39,57 @@ pub fn canonical_prompt_blocks(body: &[u8], block_bytes: usize) -> (Vec<u64>, us
 fn render<S: PromptSink>(body: &[u8], proto: S) -> S {
     let mut de = serde_json::Deserializer::from_slice(body);
     let empty = proto.fresh(0);
-    (Request { capacity: body.len(), proto })
+    (Request { capacity: body.len(), proto, strict: false })
         .deserialize(&mut de)
-        .and_then(|text| de.end().map(|()| text))
+        .and_then(|parsed| de.end().map(|()| parsed.prompt))
         .unwrap_or(empty)
+}
+
+/// What one pass over a request body reads: the raw values of the fields routing reads,
+/// the prompt's sizes, and the canonical prompt rendered into a [`PromptSink`].
+pub struct Parsed<'de, S> {
+    /// `model`, `stream`, `max_tokens`, `max_completion_tokens` as they stand in the body
+    /// (`None` when absent or `null`).
+    pub model: Option<&'de RawValue>,
+    pub stream: Option<&'de RawValue>,
+    pub max_tokens: Option<&'de RawValue>,
+    pub max_completion_tokens: Option<&'de RawValue>,
+    /// The entries of `messages` when it is given (0 when it is not an array).
+    pub messages: Option<usize>,
+    /// The items of `prompt` when it is given: its entries, an array entry counted by its
+    /// own entries (`[[1,2],[3]]`: 3); 1 when it is not an array.
+    pub prompt_items: Option<usize>,
+    /// The canonical prompt; empty when the body's shape is not a request's.
+    pub prompt: S,
+}
+
+/// Read `text`, a whole request body, in one pass: routing's fields, the prompt's sizes and
+/// its canonical text into a sink like `proto` ([`NoText`] when only the fields matter).
+/// Like a derived `Deserialize`, a field routing reads may not be given twice.
+///
+/// # Errors
+/// `text` is not one JSON object, or it repeats one of routing's fields.
+pub fn parse<S: PromptSink>(text: &str, proto: S) -> Result<Parsed<'_, S>, serde_json::Error> {
+    let mut de = serde_json::Deserializer::from_str(text);
+    let parsed = (Request { capacity: text.len(), proto, strict: true }).deserialize(&mut de)?;
+    de.end()?;
+    Ok(parsed)
+}
+
+/// A sink that keeps nothing: for reading a body's fields and sizes without its prompt.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoText;
+
+impl fmt::Write for NoText {
+    fn write_str(&mut self, _: &str) -> fmt::Result {
+        Ok(())
+    }
+}
+
+impl PromptSink for NoText {
+    fn fresh(&self, _: usize) -> Self {
+        NoText
+    }
 }
 
 /// Where the visitor writes the canonical text: a `String`, or a [`BlockHasher`].
@@ -116,12 +164,31 @@ impl PromptSink for BlockHasher {
 
 /// The fields of a request object that make up the prompt.
 enum Field {
+    Model,
+    Stream,
+    MaxTokens,
+    MaxCompletionTokens,
     Messages,
     Prompt,
     Role,
     Content,
     Text,
     Other,
+}
+
+impl Field {
+    /// The name of a top-level field routing reads (one that may not repeat) and its bit.
+    fn routing(&self) -> Option<(&'static str, u8)> {
+        Some(match self {
+            Field::Model => ("model", 1),
+            Field::Stream => ("stream", 2),
+            Field::MaxTokens => ("max_tokens", 4),
+            Field::MaxCompletionTokens => ("max_completion_tokens", 8),
+            Field::Messages => ("messages", 16),
+            Field::Prompt => ("prompt", 32),
+            _ => return None,
+        })
+    }
 }
 
 impl<'de> Deserialize<'de> for Field {
@@ -134,6 +201,10 @@ impl<'de> Deserialize<'de> for Field {
             }
             fn visit_str<E>(self, v: &str) -> Result<Field, E> {
                 Ok(match v {
+                    "model" => Field::Model,
+                    "stream" => Field::Stream,
+                    "max_tokens" => Field::MaxTokens,
+                    "max_completion_tokens" => Field::MaxCompletionTokens,
                     "messages" => Field::Messages,
                     "prompt" => Field::Prompt,
                     "role" => Field::Role,
@@ -147,36 +218,61 @@ impl<'de> Deserialize<'de> for Field {
     }
 }
 
-/// The top-level object: renders `messages` if present (and not null), else `prompt`.
-/// `capacity`: the body's length, about the most text it renders (one allocation, no
-/// copies while the text grows); `proto`: the kind of sink to render into.
+/// The top-level object: renders `messages` if present (and not null), else `prompt`,
+/// and keeps what routing reads. `capacity`: the body's length, about the most text it
+/// renders (one allocation, no copies while the text grows); `proto`: the kind of sink to
+/// render into; `strict`: a routing field given twice is an error (else the last counts).
 struct Request<S> {
     capacity: usize,
     proto: S,
+    strict: bool,
 }
 
 impl<'de, S: PromptSink> DeserializeSeed<'de> for Request<S> {
-    type Value = S;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<S, D::Error> {
+    type Value = Parsed<'de, S>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_map(self)
     }
 }
 
 impl<'de, S: PromptSink> Visitor<'de> for Request<S> {
-    type Value = S;
+    type Value = Parsed<'de, S>;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a request object")
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<S, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut p = Parsed {
+            model: None,
+            stream: None,
+            max_tokens: None,
+            max_completion_tokens: None,
+            messages: None,
+            prompt_items: None,
+            prompt: self.proto.fresh(0),
+        };
         let (mut messages, mut prompt) = (None, None);
+        // A shape that is not a request's (a message that is not an object…): no text.
+        let mut bad = false;
+        let mut seen = 0u8;
         while let Some(key) = map.next_key::<Field>()? {
+            if let Some((name, bit)) = key.routing() {
+                if self.strict && seen & bit != 0 {
+                    return Err(serde::de::Error::duplicate_field(name));
+                }
+                seen |= bit;
+            }
             match key {
+                Field::Model => p.model = map.next_value()?,
+                Field::Stream => p.stream = map.next_value()?,
+                Field::MaxTokens => p.max_tokens = map.next_value()?,
+                Field::MaxCompletionTokens => p.max_completion_tokens = map.next_value()?,
                 Field::Messages => {
-                    messages = map.next_value_seed(Messages { capacity: self.capacity, proto: &self.proto })?
+                    let seed = Messages { capacity: self.capacity, proto: &self.proto, bad: &mut bad };
+                    (messages, p.messages) = map.next_value_seed(seed)?;
                 }
                 Field::Prompt => {
                     let mut out = self.proto.fresh(self.capacity);
-                    map.next_value_seed(Content { out: &mut out })?;
+                    p.prompt_items = map.next_value_seed(Prompt { out: &mut out })?;
                     prompt = Some(out);
                 }
                 _ => {
@@ -184,7 +280,62 @@ impl<'de, S: PromptSink> Visitor<'de> for Request<S> {
                 }
             }
         }
-        Ok(messages.or(prompt).unwrap_or_else(|| self.proto.fresh(0)))
+        if !bad {
+            if let Some(text) = messages.or(prompt) {
+                p.prompt = text;
+            }
+        }
+        Ok(p)
+    }
+}
+
+/// A request's `prompt`: rendered as a [`Content`]; its items counted (`None` for null).
+struct Prompt<'a, S> {
+    out: &'a mut S,
+}
+
+impl<'de, S: PromptSink> DeserializeSeed<'de> for Prompt<'_, S> {
+    type Value = Option<usize>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<usize>, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de, S: PromptSink> Visitor<'de> for Prompt<'_, S> {
+    type Value = Option<usize>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a prompt")
+    }
+    fn visit_unit<E>(self) -> Result<Option<usize>, E> {
+        Ok(None)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<usize>, A::Error> {
+        let mut items = 0usize;
+        let mut first = true;
+        while seq.next_element_seed(Item { out: &mut *self.out, first, weight: Some(&mut items) })?.is_some() {
+            first = false;
+        }
+        Ok(Some(items))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Option<usize>, E> {
+        self.out.put(v);
+        Ok(Some(1))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<usize>, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(Some(1))
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Option<usize>, E> {
+        Ok(Some(1))
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Option<usize>, E> {
+        Ok(Some(1))
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Option<usize>, E> {
+        Ok(Some(1))
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Option<usize>, E> {
+        Ok(Some(1))
     }
 }
 
@@ -192,42 +343,80 @@ impl<'de, S: PromptSink> Visitor<'de> for Request<S> {
 struct Messages<'p, S> {
     capacity: usize,
     proto: &'p S,
+    /// Set when `messages` or one of its entries has a shape no request has.
+    bad: &'p mut bool,
 }
 
+/// The rendered conversation (`None` for null) and the number of entries (`None` for null,
+/// 0 for anything that is not an array).
+type MessagesValue<S> = (Option<S>, Option<usize>);
+
 impl<'de, S: PromptSink> DeserializeSeed<'de> for Messages<'_, S> {
-    type Value = Option<S>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<S>, D::Error> {
+    type Value = MessagesValue<S>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_any(self)
     }
 }
 
-impl<'de, S: PromptSink> Visitor<'de> for Messages<'_, S> {
-    type Value = Option<S>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of messages")
-    }
-    fn visit_unit<E>(self) -> Result<Option<S>, E> {
-        Ok(None)
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<S>, A::Error> {
-        let mut out = self.proto.fresh(self.capacity);
-        // One message's content, kept until its object ends (its role may come after it).
-        let mut content = String::new();
-        while seq.next_element_seed(Message { out: &mut out, content: &mut content })?.is_some() {}
-        Ok(Some(out))
+impl<S> Messages<'_, S> {
+    /// Not an array of messages: no text, no entries.
+    fn not_an_array(self) -> MessagesValue<S> {
+        *self.bad = true;
+        (None, Some(0))
     }
 }
 
-/// One message object, appended to `out` as `<|role|>\n{content}\n`.
+impl<'de, S: PromptSink> Visitor<'de> for Messages<'_, S> {
+    type Value = MessagesValue<S>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an array of messages")
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok((None, None))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut out = self.proto.fresh(self.capacity);
+        // One message's content, kept until its object ends (its role may come after it).
+        let mut content = String::new();
+        let mut entries = 0usize;
+        while seq.next_element_seed(Message { out: &mut out, content: &mut content, bad: &mut *self.bad })?.is_some() {
+            entries += 1;
+        }
+        Ok((Some(out), Some(entries)))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(self.not_an_array())
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(self.not_an_array())
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(self.not_an_array())
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(self.not_an_array())
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(self.not_an_array())
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(self.not_an_array())
+    }
+}
+
+/// One message object, appended to `out` as `<|role|>\n{content}\n`; anything else sets
+/// `bad`.
 struct Message<'a, S> {
     out: &'a mut S,
     content: &'a mut String,
+    bad: &'a mut bool,
 }
 
 impl<'de, S: PromptSink> DeserializeSeed<'de> for Message<'_, S> {
     type Value = ();
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_map(self)
+        d.deserialize_any(self)
     }
 }
 
@@ -241,10 +430,10 @@ impl<'de, S: PromptSink> Visitor<'de> for Message<'_, S> {
         self.content.clear();
         while let Some(key) = map.next_key::<Field>()? {
             match key {
-                Field::Role => role = map.next_value()?,
+                Field::Role => role = map.next_value_seed(Role { bad: &mut *self.bad })?,
                 Field::Content => {
                     self.content.clear();
-                    map.next_value_seed(Content { out: self.content })?;
+                    map.next_value_seed(Content { out: self.content, count: None })?;
                 }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
@@ -258,12 +447,93 @@ impl<'de, S: PromptSink> Visitor<'de> for Message<'_, S> {
         self.out.put("\n");
         Ok(())
     }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        *self.bad = true;
+        Ok(())
+    }
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        *self.bad = true;
+        Ok(())
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        *self.bad = true;
+        Ok(())
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        *self.bad = true;
+        Ok(())
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        *self.bad = true;
+        Ok(())
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        *self.bad = true;
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        *self.bad = true;
+        Ok(())
+    }
+}
+
+/// A message's `role`: a string or null; anything else sets `bad`.
+struct Role<'a> {
+    bad: &'a mut bool,
+}
+
+impl<'de> DeserializeSeed<'de> for Role<'_> {
+    type Value = Option<String>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<String>, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Role<'_> {
+    type Value = Option<String>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a role")
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Option<String>, E> {
+        Ok(Some(v.to_owned()))
+    }
+    fn visit_unit<E>(self) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<String>, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        *self.bad = true;
+        Ok(None)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<String>, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        *self.bad = true;
+        Ok(None)
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Option<String>, E> {
+        *self.bad = true;
+        Ok(None)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Option<String>, E> {
+        *self.bad = true;
+        Ok(None)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Option<String>, E> {
+        *self.bad = true;
+        Ok(None)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Option<String>, E> {
+        *self.bad = true;
+        Ok(None)
+    }
 }
 
 /// A prompt or a message's content: a string as is; an array item by item ([`Item`]);
-/// anything else adds nothing.
+/// anything else adds nothing. `count`, when given, gains an array's number of entries.
 struct Content<'a, S> {
     out: &'a mut S,
+    count: Option<&'a mut usize>,
 }
 
 impl<'de, S: PromptSink> DeserializeSeed<'de> for Content<'_, S> {
@@ -283,9 +553,12 @@ impl<'de, S: PromptSink> Visitor<'de> for Content<'_, S> {
         Ok(())
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        let mut first = true;
-        while seq.next_element_seed(Item { out: &mut *self.out, first })?.is_some() {
-            first = false;
+        let mut entries = 0usize;
+        while seq.next_element_seed(Item { out: &mut *self.out, first: entries == 0, weight: None })?.is_some() {
+            entries += 1;
+        }
+        if let Some(count) = self.count {
+            *count = count.saturating_add(entries);
         }
         Ok(())
     }
@@ -312,14 +585,24 @@ impl<'de, S: PromptSink> Visitor<'de> for Content<'_, S> {
 
 /// One item of a content array: a content part (`{"type":"text","text":…}`) adds its text;
 /// a token id adds itself, after a space unless first; anything else is a nested content,
-/// after a newline unless first.
+/// after a newline unless first. `weight`, when given (an entry of a `prompt` array),
+/// gains the item's size as a prompt limit counts it: a nested array's entries, else 1.
 struct Item<'a, S> {
     out: &'a mut S,
     first: bool,
+    weight: Option<&'a mut usize>,
 }
 
 impl<S: PromptSink> Item<'_, S> {
-    fn number(self, n: impl fmt::Display) {
+    /// An item that is not an array weighs 1.
+    fn weigh(&mut self) {
+        if let Some(w) = self.weight.as_deref_mut() {
+            *w = w.saturating_add(1);
+        }
+    }
+
+    fn number(mut self, n: impl fmt::Display) {
+        self.weigh();
         if !self.first {
             self.out.put(" ");
         }
@@ -346,7 +629,8 @@ impl<'de, S: PromptSink> Visitor<'de> for Item<'_, S> {
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a prompt item")
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+    fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<(), A::Error> {
+        self.weigh();
         let mut text: Option<String> = None;
         while let Some(key) = map.next_key::<Field>()? {
             match key {
@@ -378,19 +662,22 @@ impl<'de, S: PromptSink> Visitor<'de> for Item<'_, S> {
         Ok(())
     }
     fn visit_str<E>(mut self, v: &str) -> Result<(), E> {
+        self.weigh();
         self.newline();
         self.out.put(v);
         Ok(())
     }
     fn visit_seq<A: SeqAccess<'de>>(mut self, seq: A) -> Result<(), A::Error> {
         self.newline();
-        Content { out: self.out }.visit_seq(seq)
+        Content { out: self.out, count: self.weight }.visit_seq(seq)
     }
     fn visit_bool<E>(mut self, _: bool) -> Result<(), E> {
+        self.weigh();
         self.newline();
         Ok(())
     }
     fn visit_unit<E>(mut self) -> Result<(), E> {
+        self.weigh();
         self.newline();
         Ok(())
     }
