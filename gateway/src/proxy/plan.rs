@@ -117,7 +117,7 @@ pub fn plan_request(
         alias,
         model_rewrite,
     };
-    plan.fit_policy_with(head, body, active, kv, blocks);
+    plan.fit_policy_with(head, body, active, kv, boundary.is_some(), blocks);
     Ok(plan)
 }
 
@@ -149,23 +149,26 @@ impl RoutePlan {
     /// the session header (`session`). Called again when a reload changed the policy while
     /// the request waited in the queue.
     pub fn fit_policy(&mut self, head: &RequestHead, body: &[u8], active: &Active, kv: Option<&KvEventsShared>) {
-        self.fit_policy_with(head, body, active, kv, None);
+        let form = form_boundary(head).is_some();
+        self.fit_policy_with(head, body, active, kv, form, None);
     }
 
-    /// [`Self::fit_policy`], given the block hashes and prompt length when they were read
-    /// already (with the routing fields, under `active`'s block size).
+    /// [`Self::fit_policy`], knowing whether the body is a form, and given the block hashes
+    /// and prompt length when they were read already (with the routing fields, under
+    /// `active`'s block size).
     fn fit_policy_with(
         &mut self,
         head: &RequestHead,
         body: &[u8],
         active: &Active,
         kv: Option<&KvEventsShared>,
+        form: bool,
         blocks: Option<(Vec<u64>, usize)>,
     ) {
         let policy = &active.policy;
         let pcfg = &active.config.prefix_index;
         // A form (an audio upload) has no prompt to hash.
-        if policy.uses_prefix() && form_boundary(head).is_none() {
+        if policy.uses_prefix() && !form {
             let (hashes, len) = blocks.unwrap_or_else(|| canonical_prompt_blocks(body, pcfg.block_bytes));
             self.hashes = hashes;
             self.prompt_tokens = pcfg.tokens(len);

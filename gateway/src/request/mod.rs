@@ -187,7 +187,9 @@ fn check_model_name(m: &str) -> Result<(), ProxyError> {
             m.len()
         )));
     }
-    if m.chars().any(char::is_control) {
+    // An ASCII name (the usual one) is checked byte by byte: C0 and DEL.
+    let control = if m.is_ascii() { m.bytes().any(|c| c < 0x20 || c == 0x7F) } else { m.chars().any(char::is_control) };
+    if control {
         return Err(ProxyError::BadRequest("model names hold no control characters".into()));
     }
     Ok(())
@@ -421,5 +423,20 @@ mod tests {
         assert!(ok > 5_000 && refused > 5_000, "{ok} accepted, {refused} refused");
         assert!(one_pass > 8_000, "the one pass read {one_pass} bodies");
         eprintln!("{ok} accepted, {refused} refused; the one pass read {one_pass} of 20000 bodies");
+    }
+
+    #[test]
+    fn model_names_with_control_characters_are_refused_as_char_is_control_says() {
+        for c in ['\0', '\n', '\x1f', '\x7f', '\u{80}', '\u{85}', '\u{9f}'] {
+            assert!(c.is_control());
+            assert!(check_model_name(&format!("m{c}x")).is_err(), "{c:?}");
+        }
+        for c in [' ', '~', '\u{a0}', '\u{c2}', '\u{100}', '\u{2028}', '\u{1f600}', '\u{e000}'] {
+            assert_eq!(check_model_name(&format!("m{c}x")).is_err(), c.is_control(), "{c:?}");
+        }
+        // Every character agrees with `char::is_control`.
+        for c in (0..0x3000).filter_map(char::from_u32) {
+            assert_eq!(check_model_name(&format!("a{c}")).is_err(), c.is_control(), "{c:?}");
+        }
     }
 }
