@@ -133,15 +133,11 @@ impl RequestCtx {
     pub fn take_request_id(&mut self, client: Option<&[u8]>) {
         let id = match client {
             Some(v) if !v.is_empty() && v.len() <= 128 && v.iter().all(|b| b.is_ascii_graphic()) => {
-                String::from_utf8_lossy(v).into_owned()
+                v.iter().map(|&b| char::from(b)).collect()
             }
             _ => {
-                let mut hex = [0u8; 32];
                 let n = rand::random::<u128>();
-                for (i, digit) in hex.iter_mut().enumerate() {
-                    *digit = b"0123456789abcdef"[(n >> (124 - 4 * i)) as usize & 0xf];
-                }
-                String::from_utf8_lossy(&hex).into_owned()
+                (0..32).map(|i| char::from(b"0123456789abcdef"[(n >> (124 - 4 * i)) as usize & 0xf])).collect()
             }
         };
         self.request_id = Some(id);

@@ -115,6 +115,15 @@ fn json_text(body: &[u8]) -> Result<&str, ProxyError> {
     })
 }
 
+/// The string a raw JSON value (already parsed once) holds, if it is a string: the text
+/// between its quotes when it has no escape, else what serde_json makes of it.
+fn json_string(raw: &str) -> Option<String> {
+    match raw.strip_prefix('"').and_then(|r| r.strip_suffix('"')) {
+        Some(inner) if !inner.contains('\\') => Some(inner.to_owned()),
+        _ => serde_json::from_str::<String>(raw).ok(),
+    }
+}
+
 /// The routing fields from their raw values in `text`.
 fn checked_fields(
     text: &str,
@@ -128,7 +137,7 @@ fn checked_fields(
             None => (None, None),
             Some(v) if v.get() == "null" => (None, None),
             Some(v) => (
-                Some(serde_json::from_str::<String>(v.get()).map_err(|_| {
+                Some(json_string(v.get()).ok_or_else(|| {
                     ProxyError::BadRequest(format!("model must be a string, got {}", truncate(v.get())))
                 })?),
                 Some(span_in(text.as_bytes(), v.get().as_bytes())),
@@ -437,6 +446,15 @@ mod tests {
         // Every character agrees with `char::is_control`.
         for c in (0..0x3000).filter_map(char::from_u32) {
             assert_eq!(check_model_name(&format!("a{c}")).is_err(), c.is_control(), "{c:?}");
+        }
+    }
+
+    #[test]
+    fn a_model_string_reads_as_serde_json_reads_it() {
+        for raw in
+            [r#""m""#, r#""""#, r#""caf\u00e9""#, r#""a\"b""#, r#""a\\""#, r#""é ü""#, "5", "null", "[]", r#"{"a":1}"#]
+        {
+            assert_eq!(json_string(raw), serde_json::from_str::<String>(raw).ok(), "{raw}");
         }
     }
 }
