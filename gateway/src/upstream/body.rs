@@ -123,6 +123,8 @@ impl BodyDecoder {
                     }
                     self.state = State::Done;
                 }
+                // The usual case, a whole chunk in the buffer (an SSE event): one step.
+                State::Chunked(Chunk::Size) if let Some(n) = whole_chunk(rest, out)? => *used += n,
                 State::Chunked(chunk) => match self.chunked(chunk, rest, out)? {
                     Some((next, n)) => {
                         self.state = next;
@@ -189,6 +191,21 @@ impl BodyDecoder {
             }
         }))
     }
+}
+
+/// A whole data chunk at the front of `input` (size line, data, CRLF): its data copied to
+/// `out` and the bytes it took; `None` when it is not all there, or is the last chunk, or
+/// its data does not end in CRLF (the step-by-step decoder takes those, and the error).
+fn whole_chunk(input: &[u8], out: &mut BytesMut) -> Result<Option<usize>, BodyError> {
+    let Some(line) = line(input)? else { return Ok(None) };
+    let size = chunk_size(&input[..line])?;
+    let start = line + 2;
+    let Some(end) = usize::try_from(size).ok().and_then(|s| s.checked_add(start)) else { return Ok(None) };
+    if size == 0 || input.get(end..end + 2) != Some(b"\r\n") {
+        return Ok(None);
+    }
+    out.extend_from_slice(&input[start..end]);
+    Ok(Some(end + 2))
 }
 
 /// Copy up to `left` bytes from the front of `input` to `out`; how many.
