@@ -18,7 +18,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 use std::time::{Duration, Instant};
@@ -123,6 +123,8 @@ pub struct Backend {
     prefill_rate_bits: AtomicU64,
     /// The average behind it.
     prefill_rate: Mutex<Option<Ewma>>,
+    /// This backend's per-request series, resolved once ([`crate::metrics::GatewayMetrics::of`]).
+    pub series: OnceLock<crate::metrics::BackendSeries>,
 }
 
 impl Backend {
@@ -157,6 +159,7 @@ impl Backend {
             pending_prefill_tokens: AtomicU64::new(0),
             prefill_rate_bits: AtomicU64::new(0),
             prefill_rate: Mutex::new(None),
+            series: OnceLock::new(),
         };
         backend.peer = spec.addr.map(|addr| HttpPeer::new(addr, backend.tls(), backend.host().to_string()));
         backend.pool_key = backend.peer.as_ref().map_or(0, Peer::reuse_hash);
@@ -311,11 +314,12 @@ impl ClusterView {
     /// when any has. The policy then decides among them by load. Engines that report no
     /// adapters change nothing.
     fn prefer_adapter_holders(&self, out: &mut Vec<Candidate>, model: &str) {
-        let lora: Vec<Option<Arc<switchyard_shim::LoraInfo>>> =
-            out.iter().map(|c| self.backends[c.index].scraped.load().lora.clone()).collect();
-        if lora.iter().all(Option::is_none) {
+        // Most engines report no adapters: nothing to collect then.
+        if out.iter().all(|c| self.backends[c.index].scraped.load().lora.is_none()) {
             return;
         }
+        let lora: Vec<Option<Arc<switchyard_shim::LoraInfo>>> =
+            out.iter().map(|c| self.backends[c.index].scraped.load().lora.clone()).collect();
         let keep = |want: &dyn Fn(&switchyard_shim::LoraInfo) -> bool, out: &mut Vec<Candidate>| {
             let chosen: Vec<bool> = lora.iter().map(|l| l.as_deref().is_some_and(want)).collect();
             if chosen.iter().any(|&c| c) {

@@ -7,6 +7,7 @@ use pingora::protocols::http::ServerSession;
 
 /// Headers that describe one hop and are never forwarded (RFC 9110 §7.6.1, plus `host` and
 /// `content-length`, which the gateway sets itself).
+#[cfg(test)]
 pub(crate) const HOP_BY_HOP: &[&str] = &[
     "connection",
     "keep-alive",
@@ -18,6 +19,25 @@ pub(crate) const HOP_BY_HOP: &[&str] = &[
     "host",
     "content-length",
 ];
+
+/// Whether `name` (in any case) is one of [`HOP_BY_HOP`]: by its length first, so one
+/// comparison at most where a scan of the list takes nine (every header of every request
+/// and response passes here).
+pub(crate) fn is_hop_by_hop(name: &[u8]) -> bool {
+    let candidate: &[u8] = match name.len() {
+        2 => b"te",
+        4 => b"host",
+        7 if name[0].eq_ignore_ascii_case(&b'u') => b"upgrade",
+        7 => b"trailer",
+        10 if name[0].eq_ignore_ascii_case(&b'c') => b"connection",
+        10 => b"keep-alive",
+        14 => b"content-length",
+        16 => b"proxy-connection",
+        17 => b"transfer-encoding",
+        _ => return false,
+    };
+    name.eq_ignore_ascii_case(candidate)
+}
 
 /// Client headers that never reach an engine: credentials and session state meant for the
 /// edge (with API keys on, `authorization` is the tenant's key and is dropped too).
@@ -69,4 +89,32 @@ pub(crate) async fn respond_headers(
     let _ = resp.insert_header("content-type", content_type);
     let _ = resp.insert_header("content-length", body.len().to_string());
     s.write_response_header(Box::new(resp)).await.is_ok() && s.write_response_body(body, true).await.is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_hop_by_hop_check_agrees_with_the_list() {
+        let list = |n: &[u8]| HOP_BY_HOP.iter().any(|h| h.as_bytes().eq_ignore_ascii_case(n));
+        let mut names: Vec<Vec<u8>> = HOP_BY_HOP.iter().map(|h| h.as_bytes().to_vec()).collect();
+        for h in HOP_BY_HOP {
+            names.push(h.to_ascii_uppercase().into_bytes());
+            // Same length, one byte off, in every position.
+            for i in 0..h.len() {
+                let mut near = h.as_bytes().to_vec();
+                near[i] = if near[i] == b'x' { b'y' } else { b'x' };
+                names.push(near);
+            }
+            names.push(h.as_bytes()[1..].to_vec());
+            names.push([h.as_bytes(), b"s"].concat());
+        }
+        for other in ["", "t", "tf", "ups", "content-type", "x-request-id", "cookie", "Upgrade", "TRAILER", "Keep-Alive"] {
+            names.push(other.as_bytes().to_vec());
+        }
+        for n in names {
+            assert_eq!(is_hop_by_hop(&n), list(&n), "{}", String::from_utf8_lossy(&n));
+        }
+    }
 }

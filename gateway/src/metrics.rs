@@ -9,7 +9,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-use crate::cluster::{BackendState, ClusterView};
+use crate::cluster::{Backend, BackendState, ClusterView};
 
 /// Latency buckets (seconds) for TTFT and request duration.
 pub const LATENCY_BUCKETS: &[f64] = &[
@@ -78,7 +78,25 @@ pub struct GatewayMetrics {
     up: IntGaugeVec,
 }
 
+/// One backend's series that every request touches, looked up once instead of by label
+/// values per request (a hash and a lock each time).
+#[derive(Debug)]
+pub struct BackendSeries {
+    /// `switchyard_ttft_seconds{backend}`.
+    pub ttft: Histogram,
+    /// `switchyard_requests_total{backend, code="200"}`.
+    pub ok: IntCounter,
+}
+
 impl GatewayMetrics {
+    /// `backend`'s per-request series (resolved on its first request).
+    pub fn of<'a>(&self, backend: &'a Backend) -> &'a BackendSeries {
+        backend.series.get_or_init(|| BackendSeries {
+            ttft: self.ttft.with_label_values(&[backend.url.as_str()]),
+            ok: self.requests.with_label_values(&[backend.url.as_str(), "200"]),
+        })
+    }
+
     /// Count a request routed through an alias (`alias`, `target`).
     pub fn count_alias(&self, alias: Option<&str>, target: &str) {
         if let Some(alias) = alias {

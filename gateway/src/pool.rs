@@ -13,11 +13,12 @@
 //! those idle longer than the timeout. A connection that dies between that check and its
 //! use fails before any response byte, which the proxy retries on a new connection.
 
-use parking_lot::Mutex;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use foldhash::{HashMap, HashMapExt};
 use futures_util::FutureExt;
+use parking_lot::Mutex;
 use pingora::protocols::Stream;
 use tokio::io::AsyncReadExt;
 

@@ -6,8 +6,8 @@
 //! Locking: one short critical section per lookup and per insert (a few hash-map probes per
 //! 64-byte block of prompt); the hashes are computed before taking the lock.
 
+use foldhash::{HashMap, HashMapExt};
 use parking_lot::Mutex;
-use std::collections::HashMap;
 
 use crate::config::PrefixIndexConfig;
 use crate::policy::prefix_index::PrefixIndex;

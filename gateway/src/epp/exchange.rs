@@ -236,7 +236,7 @@ impl Exchange {
         }
         let index = ready[rand::random_range(0..ready.len())];
         let backend = active.cluster.backends[index].clone();
-        ctx.backend = Some(backend.url.clone());
+        ctx.backend = Some(backend.clone());
         ctx.reason = Some("random");
         let guard = InflightGuard::new(backend.clone(), 0, 0, false);
         self.send_route(&endpoint(&backend), &active, ctx, false).await?;
@@ -355,7 +355,7 @@ impl Exchange {
         }
         let Some(index) = backends.iter().position(|b| endpoint(b) == served) else { return };
         let backend = backends[index].clone();
-        ctx.backend = Some(backend.url.clone());
+        ctx.backend = Some(backend.clone());
         ctx.retries += 1;
         r.guard = InflightGuard::new(backend, 0, 0, false);
         r.index = index;

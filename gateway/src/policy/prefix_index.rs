@@ -17,7 +17,9 @@
 //!
 //! Pure: no clock (recency is an insertion counter), no I/O, no locks.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use foldhash::{HashMap, HashMapExt};
 
 /// Memory charged per entry besides its backend list (key, value, map overhead).
 pub const ENTRY_BYTES: usize = 64;

@@ -231,25 +231,26 @@ impl ProxyApp {
                 })
                 .collect();
             let blocks = self.state.prefix.matched_blocks(&plan.hashes, &keys);
-            // Engines whose KV events are live: the blocks they hold. The others: the
-            // approximate index's estimate, in the prompt's tokens.
-            let precise = match (&plan.precise, &self.state.kv_events) {
-                (Some(p), Some(kv)) => kv.matched_tokens(p, &keys.iter().map(|k| k.0).collect::<Vec<_>>()),
-                _ => vec![None; candidates.len()],
-            };
-            let approximate: Vec<u64> = blocks
-                .into_iter()
-                .map(|n| {
-                    let t = pcfg.tokens(n * pcfg.block_bytes).min(plan.prompt_tokens);
-                    // In the prompt's exact tokens when it was tokenized.
-                    match plan.prompt_tokens == prompt_tokens {
-                        true => t,
-                        false => (t as f64 / plan.prompt_tokens.max(1) as f64 * prompt_tokens as f64) as u64,
+            // The approximate index's estimate, in the prompt's tokens (exact ones when it
+            // was tokenized).
+            let approximate = blocks.into_iter().map(|n| {
+                let t = pcfg.tokens(n * pcfg.block_bytes).min(plan.prompt_tokens);
+                match plan.prompt_tokens == prompt_tokens {
+                    true => t,
+                    false => (t as f64 / plan.prompt_tokens.max(1) as f64 * prompt_tokens as f64) as u64,
+                }
+            });
+            match (&plan.precise, &self.state.kv_events) {
+                // Engines whose KV events are live: the blocks they hold. The others: the
+                // approximate estimate.
+                (Some(p), Some(kv)) => {
+                    let precise = kv.matched_tokens(p, &keys.iter().map(|k| k.0).collect::<Vec<_>>());
+                    let approximate: Vec<u64> = approximate.collect();
+                    for (c, m) in candidates.iter_mut().zip(matched_tokens(&precise, &approximate)) {
+                        c.matched_tokens = m;
                     }
-                })
-                .collect();
-            for (c, m) in candidates.iter_mut().zip(matched_tokens(&precise, &approximate)) {
-                c.matched_tokens = m;
+                }
+                _ => candidates.iter_mut().zip(approximate).for_each(|(c, m)| c.matched_tokens = m),
             }
         }
         Ok((candidates, prompt_tokens))
@@ -268,7 +269,7 @@ impl ProxyApp {
     ) -> Pick {
         self.state.metrics.decisions.with_label_values(&[active.policy.name(), reason]).inc();
         let backend = &active.cluster.backends[chosen.index];
-        ctx.backend = Some(backend.url.clone());
+        ctx.backend = Some(backend.clone());
         ctx.reason = Some(reason);
         if !plan.hashes.is_empty() {
             let m = &self.state.metrics;

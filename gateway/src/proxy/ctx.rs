@@ -68,8 +68,8 @@ pub(crate) struct RequestCtx {
     pub tried: Vec<usize>,
     /// The last failed attempt's error (answered when no attempt is left).
     pub last_error: Option<ProxyError>,
-    /// Backend URL of the last attempt.
-    pub backend: Option<String>,
+    /// The backend of the last attempt.
+    pub backend: Option<Arc<crate::cluster::Backend>>,
     /// The policy's reason for it.
     pub reason: Option<&'static str>,
     /// Arrival → first response chunk.
@@ -131,13 +131,17 @@ impl RequestCtx {
     /// The client's `X-Request-Id` when it is one to keep (1 to 128 visible ASCII
     /// characters), else a new random one.
     pub fn take_request_id(&mut self, client: Option<&[u8]>) {
-        let id = match client {
-            Some(v) if !v.is_empty() && v.len() <= 128 && v.iter().all(|b| b.is_ascii_graphic()) => {
-                v.iter().map(|&b| char::from(b)).collect()
-            }
+        let sane = |v: &[u8]| !v.is_empty() && v.len() <= 128 && v.iter().all(|b| b.is_ascii_graphic());
+        let id = match client.filter(|v| sane(v)).map(std::str::from_utf8) {
+            Some(Ok(v)) => v.to_owned(),
             _ => {
                 let n = rand::random::<u128>();
-                (0..32).map(|i| char::from(b"0123456789abcdef"[(n >> (124 - 4 * i)) as usize & 0xf])).collect()
+                let mut hex = [0u8; 32];
+                for (i, digit) in hex.iter_mut().enumerate() {
+                    *digit = b"0123456789abcdef"[(n >> (124 - 4 * i)) as usize & 0xf];
+                }
+                // 32 ASCII hex digits.
+                String::from_utf8(hex.to_vec()).unwrap_or_default()
             }
         };
         self.request_id = Some(id);

@@ -431,8 +431,13 @@ impl ProxyApp {
         let elapsed = ctx.started.elapsed();
         let m = &self.state.metrics;
         if ctx.path.starts_with("/v1/") {
-            let code = ctx.status.to_string();
-            m.requests.with_label_values(&[ctx.backend.as_deref().unwrap_or("none"), code.as_str()]).inc();
+            match &ctx.backend {
+                Some(b) if ctx.status == 200 => m.of(b).ok.inc(),
+                b => {
+                    let url = b.as_ref().map_or("none", |b| b.url.as_str());
+                    m.requests.with_label_values(&[url, itoa::Buffer::new().format(ctx.status)]).inc();
+                }
+            }
             m.duration.observe(elapsed.as_secs_f64());
         }
         self.state.access_log.log(&AccessLine {
@@ -441,7 +446,7 @@ impl ProxyApp {
             path: &ctx.path,
             status: ctx.status,
             model: ctx.model.as_deref(),
-            backend: ctx.backend.as_deref(),
+            backend: ctx.backend.as_ref().map(|b| b.url.as_str()),
             reason: ctx.reason,
             stream: ctx.stream,
             ttft_ms: ctx.ttft.map(|t| t.as_secs_f64() * 1e3),

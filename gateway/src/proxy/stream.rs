@@ -173,7 +173,7 @@ impl ProxyApp {
         if !buf.is_empty() && ctx.ttft.is_none() {
             let t = ctx.started.elapsed();
             ctx.ttft = Some(t);
-            self.state.metrics.ttft.with_label_values(&[backend.url.as_str()]).observe(t.as_secs_f64());
+            self.state.metrics.of(backend).ttft.observe(t.as_secs_f64());
         }
         ctx.response_bytes += buf.len();
         ctx.chunks += 1;

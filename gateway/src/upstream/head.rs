@@ -7,7 +7,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use super::body::Framing;
 use crate::downstream::RequestHead;
-use crate::http::{EDGE_ONLY, HOP_BY_HOP, REQUEST_ID};
+use crate::http::{is_hop_by_hop, EDGE_ONLY, REQUEST_ID};
 
 /// The most response header fields read from an engine.
 const MAX_RESPONSE_HEADERS: usize = 128;
@@ -52,11 +52,14 @@ pub(crate) fn request_head(
     }
     out.reserve(256 + path.len() + client.size());
     put(out, &[b"POST ", path.as_bytes(), b" HTTP/1.1\r\nhost: ", authority.as_bytes(), b"\r\n"]);
+    // Fields the client's `Connection` names (looked for only when it has one).
+    let has_connection = client.get("connection").is_some();
     let named = |n: &[u8]| {
-        client
-            .get_all("connection")
-            .flat_map(|v| v.split(|&b| b == b','))
-            .any(|c| c.trim_ascii().eq_ignore_ascii_case(n))
+        has_connection
+            && client
+                .get_all("connection")
+                .flat_map(|v| v.split(|&b| b == b','))
+                .any(|c| c.trim_ascii().eq_ignore_ascii_case(n))
     };
     let mut chain: Option<Vec<&[u8]>> = None;
     for (name, value) in client.fields() {
@@ -64,7 +67,7 @@ pub(crate) fn request_head(
             chain.get_or_insert_with(Vec::new).push(value);
             continue;
         }
-        let dropped = HOP_BY_HOP.iter().any(|h| h.as_bytes() == name)
+        let dropped = is_hop_by_hop(name)
             || EDGE_ONLY.iter().any(|h| h.as_bytes() == name)
             || (fwd.strip_authorization && name == b"authorization")
             || name == b"x-forwarded-proto"
@@ -180,30 +183,33 @@ pub(crate) fn parse_response_head(buf: &mut BytesMut) -> Result<Option<ResponseH
     for h in resp.headers.iter() {
         // httparse checked the name is a token and the value has no control bytes.
         let n = h.name.as_bytes();
-        let is = |name: &str| n.eq_ignore_ascii_case(name.as_bytes());
-        if is("content-length") {
-            let v = std::str::from_utf8(h.value).ok().and_then(|v| v.trim().parse::<u64>().ok());
-            match (v, length) {
-                (Some(v), None) => length = Some(v),
-                (Some(v), Some(l)) if v == l => {}
-                _ => return Err(HeadError::Length),
+        // By length first: one comparison at most per field.
+        match n.len() {
+            14 if n.eq_ignore_ascii_case(b"content-length") => {
+                let v = std::str::from_utf8(h.value).ok().and_then(|v| v.trim().parse::<u64>().ok());
+                match (v, length) {
+                    (Some(v), None) => length = Some(v),
+                    (Some(v), Some(l)) if v == l => {}
+                    _ => return Err(HeadError::Length),
+                }
+                continue;
             }
-            continue;
-        }
-        if is("transfer-encoding") {
-            transfer_encoding = true;
-            // The last coding decides (RFC 9112 §6.3).
-            let last = h.value.rsplit(|&b| b == b',').next().unwrap_or_default();
-            chunked = last.trim_ascii().eq_ignore_ascii_case(b"chunked");
-        } else if is("connection") {
-            for token in h.value.split(|&b| b == b',') {
-                close |= token.trim_ascii().eq_ignore_ascii_case(b"close");
-                keep_alive |= token.trim_ascii().eq_ignore_ascii_case(b"keep-alive");
+            17 if n.eq_ignore_ascii_case(b"transfer-encoding") => {
+                transfer_encoding = true;
+                // The last coding decides (RFC 9112 §6.3).
+                let last = h.value.rsplit(|&b| b == b',').next().unwrap_or_default();
+                chunked = last.trim_ascii().eq_ignore_ascii_case(b"chunked");
             }
-        } else if is("content-type") {
-            is_sse = h.value.starts_with(b"text/event-stream");
+            10 if n.eq_ignore_ascii_case(b"connection") => {
+                for token in h.value.split(|&b| b == b',') {
+                    close |= token.trim_ascii().eq_ignore_ascii_case(b"close");
+                    keep_alive |= token.trim_ascii().eq_ignore_ascii_case(b"keep-alive");
+                }
+            }
+            12 if n.eq_ignore_ascii_case(b"content-type") => is_sse = h.value.starts_with(b"text/event-stream"),
+            _ => {}
         }
-        if !HOP_BY_HOP.iter().any(|hop| is(hop)) {
+        if !is_hop_by_hop(n) {
             kept.push((span(n), span(h.value)));
         }
     }
