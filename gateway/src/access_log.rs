@@ -58,18 +58,20 @@ impl AccessLine<'_> {
     /// microsecond precision; an absent optional field is `null`, except `tenant` and
     /// `request_id`, which are left out.
     pub fn write_json(&self, out: &mut Vec<u8>) {
+        // Each field's name goes out with the punctuation around it as one literal: half
+        // the copies of writing them apart, on a line every request writes.
         let mut ints = itoa::Buffer::new();
+        out.reserve(256);
         out.extend_from_slice(b"{\"ts_ms\":");
         out.extend_from_slice(ints.format(self.ts_ms).as_bytes());
-        field(out, "method", Some(self.method));
-        field(out, "path", Some(self.path));
+        field(out, b",\"method\":", Some(self.method));
+        field(out, b",\"path\":", Some(self.path));
         out.extend_from_slice(b",\"status\":");
         out.extend_from_slice(ints.format(self.status).as_bytes());
-        field(out, "model", self.model);
-        field(out, "backend", self.backend);
-        field(out, "reason", self.reason);
-        out.extend_from_slice(if self.stream { b",\"stream\":true" } else { b",\"stream\":false" });
-        out.extend_from_slice(b",\"ttft_ms\":");
+        field(out, b",\"model\":", self.model);
+        field(out, b",\"backend\":", self.backend);
+        field(out, b",\"reason\":", self.reason);
+        out.extend_from_slice(if self.stream { b",\"stream\":true,\"ttft_ms\":" } else { b",\"stream\":false,\"ttft_ms\":" });
         match self.ttft_ms {
             Some(ms) => millis(out, ms),
             None => out.extend_from_slice(b"null"),
@@ -77,32 +79,28 @@ impl AccessLine<'_> {
         out.extend_from_slice(b",\"duration_ms\":");
         millis(out, self.duration_ms);
         for (name, n) in [
-            ("request_bytes", self.request_bytes),
-            ("response_bytes", self.response_bytes),
-            ("chunks", self.chunks),
-            ("retries", self.retries as usize),
+            (&b",\"request_bytes\":"[..], self.request_bytes),
+            (b",\"response_bytes\":", self.response_bytes),
+            (b",\"chunks\":", self.chunks),
+            (b",\"retries\":", self.retries as usize),
         ] {
-            out.extend_from_slice(b",\"");
-            out.extend_from_slice(name.as_bytes());
-            out.extend_from_slice(b"\":");
+            out.extend_from_slice(name);
             out.extend_from_slice(ints.format(n).as_bytes());
         }
         if self.tenant.is_some() {
-            field(out, "tenant", self.tenant);
+            field(out, b",\"tenant\":", self.tenant);
         }
-        field(out, "error", self.error);
+        field(out, b",\"error\":", self.error);
         if self.request_id.is_some() {
-            field(out, "request_id", self.request_id);
+            field(out, b",\"request_id\":", self.request_id);
         }
         out.push(b'}');
     }
 }
 
-/// `,"name":value` with the value a JSON string, or `null`.
-fn field(out: &mut Vec<u8>, name: &str, value: Option<&str>) {
-    out.extend_from_slice(b",\"");
-    out.extend_from_slice(name.as_bytes());
-    out.extend_from_slice(b"\":");
+/// `,"name":` (given whole, as `prefix`) and the value as a JSON string, or `null`.
+fn field(out: &mut Vec<u8>, prefix: &[u8], value: Option<&str>) {
+    out.extend_from_slice(prefix);
     match value {
         // Paths, models and ids almost never need escaping: copied as they are then.
         // A fold without early exit: the compiler checks many bytes per instruction.

@@ -24,12 +24,21 @@ use pingora::services::{ServiceReadyNotifier, ServiceWithDependents};
 use crate::config::GatewayConfig;
 use crate::{admin, connection, discovery, drain, metrics, proxy, reload, scrape, state, tls};
 
-/// Buffers of a client connection. The write buffer holds a response header until the first
-/// body write, so header and first chunk leave in one `write` (pingora's default of 1,460
-/// bytes is smaller than a typical first SSE chunk plus header, which costs a second syscall
-/// per response); it is allocated per connection, so 16 KiB × 1,000 connections = 16 MB.
-fn client_buffers() -> L4BufferSettings {
+/// Buffers of a TLS client connection, under rustls. The write buffer holds a response header
+/// until the first body write, so header and first chunk leave in one `write` (pingora's
+/// default of 1,460 bytes is smaller than a typical first SSE chunk plus header, which costs
+/// a second syscall per response); it is allocated per connection, so 16 KiB × 1,000
+/// connections = 16 MB.
+fn tls_client_buffers() -> L4BufferSettings {
     L4BufferSettings::default().write(16 * 1024)
+}
+
+/// Buffers of a cleartext client connection: none. The HTTP/1.1 session keeps its own read
+/// buffer and writes a response's head and data in one vectored write
+/// ([`crate::downstream::H1Connection`]); h2 frames its own. A buffer between them and the
+/// socket only copied every byte once more (~1k instructions per request).
+fn cleartext_client_buffers() -> L4BufferSettings {
+    L4BufferSettings::unbuffered()
 }
 
 /// Bind `addr` (port 0: any free port) and listen; the socket is handed to pingora later.
@@ -137,9 +146,9 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
                 if http2 {
                     settings.enable_h2();
                 }
-                proxy.add_listener(ListenerConfig::tcp(&listen).tls(settings).l4_buffer(client_buffers()));
+                proxy.add_listener(ListenerConfig::tcp(&listen).tls(settings).l4_buffer(tls_client_buffers()));
             }
-            None => proxy.add_listener(ListenerConfig::tcp(&listen).l4_buffer(client_buffers())),
+            None => proxy.add_listener(ListenerConfig::tcp(&listen).l4_buffer(cleartext_client_buffers())),
         }
         server.add_service(PreBound { inner: proxy, sockets: vec![(api_addr, api_socket)] });
     }

@@ -17,7 +17,7 @@
 //! `Connection`. Bytes a client sends after its request's body (a pipelined request) are
 //! kept for the next request, up to the head limit.
 
-use std::io;
+use std::io::{self, IoSlice};
 use std::net::IpAddr;
 use std::time::{Duration, SystemTime};
 
@@ -116,11 +116,21 @@ impl H1Connection {
         }
     }
 
-    /// Write `head` (framing included) then `data`, and flush.
-    async fn write(&mut self, head: &[u8], data: &[u8]) -> io::Result<()> {
-        self.stream.write_all(head).await?;
-        if !data.is_empty() {
-            self.stream.write_all(data).await?;
+    /// Write `head` (framing included) then `data` — one vectored write when the socket
+    /// takes them whole — and flush.
+    async fn write(&mut self, mut head: &[u8], mut data: &[u8]) -> io::Result<()> {
+        while !head.is_empty() || !data.is_empty() {
+            let n = match (head.is_empty(), data.is_empty()) {
+                (false, false) => self.stream.write_vectored(&[IoSlice::new(head), IoSlice::new(data)]).await?,
+                (false, true) => self.stream.write(head).await?,
+                _ => self.stream.write(data).await?,
+            };
+            if n == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            let from_head = n.min(head.len());
+            head = &head[from_head..];
+            data = &data[n - from_head..];
         }
         self.stream.flush().await
     }
