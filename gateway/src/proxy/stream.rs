@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use bytes::BytesMut;
-use pingora::prelude::fast_timeout::fast_timeout;
+use tokio::time::timeout;
 
 use crate::cluster::Backend;
 use crate::downstream::Downstream;
@@ -63,7 +63,7 @@ impl ProxyApp {
                 Err(e) => return self.broken(s, &e, is_sse, active, index, ctx).await,
             }
             next = tokio::select! {
-                r = fast_timeout(idle, up.read_body(&mut buf)) => r.unwrap_or(Err(EngineIoError::ReadTimeout)),
+                r = timeout(idle, up.read_body(&mut buf)) => r.unwrap_or(Err(EngineIoError::ReadTimeout)),
                 () = s.closed() => {
                     // The client left: dropping `up` closes the engine connection (abort).
                     ctx.client_gone();

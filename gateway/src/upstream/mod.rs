@@ -17,7 +17,7 @@ pub(crate) mod head;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use pingora::prelude::fast_timeout::fast_timeout;
+use tokio::time::timeout;
 use pingora::protocols::Stream;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -70,9 +70,9 @@ impl EngineConnection {
         EngineConnection { stream, read: BytesMut::new(), body: None, keepalive: false }
     }
 
-    /// Write the whole request (`head` then `body`) within `timeout`: one write, unless the
+    /// Write the whole request (`head` then `body`) within `limit`: one write, unless the
     /// body is large (then copying it behind the head would cost more than a second write).
-    pub async fn send(&mut self, mut head: BytesMut, body: &Bytes, timeout: Duration) -> Result<(), EngineIoError> {
+    pub async fn send(&mut self, mut head: BytesMut, body: &Bytes, limit: Duration) -> Result<(), EngineIoError> {
         const JOIN_BELOW: usize = 64 * 1024;
         let write = async {
             if body.len() < JOIN_BELOW {
@@ -84,14 +84,14 @@ impl EngineConnection {
             }
             self.stream.flush().await
         };
-        match fast_timeout(timeout, write).await {
+        match timeout(limit, write).await {
             Ok(r) => r.map_err(EngineIoError::Io),
             Err(_) => Err(EngineIoError::WriteTimeout),
         }
     }
 
-    /// Read the response head within `timeout` (interim 1xx responses skipped).
-    pub async fn read_head(&mut self, timeout: Duration) -> Result<ResponseHead, EngineIoError> {
+    /// Read the response head within `limit` (interim 1xx responses skipped).
+    pub async fn read_head(&mut self, limit: Duration) -> Result<ResponseHead, EngineIoError> {
         let read = async {
             loop {
                 if !self.read.is_empty() {
@@ -107,7 +107,7 @@ impl EngineConnection {
                 }
             }
         };
-        let head = match fast_timeout(timeout, read).await {
+        let head = match timeout(limit, read).await {
             Ok(r) => r?,
             Err(_) => return Err(EngineIoError::ReadTimeout),
         };
