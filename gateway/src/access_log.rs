@@ -71,7 +71,11 @@ impl AccessLine<'_> {
         field(out, b",\"model\":", self.model);
         field(out, b",\"backend\":", self.backend);
         field(out, b",\"reason\":", self.reason);
-        out.extend_from_slice(if self.stream { b",\"stream\":true,\"ttft_ms\":" } else { b",\"stream\":false,\"ttft_ms\":" });
+        out.extend_from_slice(if self.stream {
+            b",\"stream\":true,\"ttft_ms\":"
+        } else {
+            b",\"stream\":false,\"ttft_ms\":"
+        });
         match self.ttft_ms {
             Some(ms) => millis(out, ms),
             None => out.extend_from_slice(b"null"),

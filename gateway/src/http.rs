@@ -110,7 +110,9 @@ mod tests {
             names.push(h.as_bytes()[1..].to_vec());
             names.push([h.as_bytes(), b"s"].concat());
         }
-        for other in ["", "t", "tf", "ups", "content-type", "x-request-id", "cookie", "Upgrade", "TRAILER", "Keep-Alive"] {
+        for other in
+            ["", "t", "tf", "ups", "content-type", "x-request-id", "cookie", "Upgrade", "TRAILER", "Keep-Alive"]
+        {
             names.push(other.as_bytes().to_vec());
         }
         for n in names {

@@ -17,9 +17,9 @@ pub(crate) mod head;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tokio::time::timeout;
 use pingora::protocols::Stream;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::time::timeout;
 
 pub(crate) use body::{BodyDecoder, BodyError, Framing, Progress};
 pub(crate) use head::{request_head, Forwarded, HeadError, ResponseHead};
