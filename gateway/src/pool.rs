@@ -20,16 +20,19 @@ use foldhash::{HashMap, HashMapExt};
 use futures_util::FutureExt;
 use parking_lot::Mutex;
 use pingora::protocols::Stream;
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// What the pool keeps: a connection to an engine (with whatever it carries along, such as
 /// its read buffer), checked for life through its stream.
 pub trait Pooled: Send {
+    /// What the connection reads from.
+    type Io: AsyncRead + Unpin;
     /// The connection's stream.
-    fn stream_mut(&mut self) -> &mut Stream;
+    fn stream_mut(&mut self) -> &mut Self::Io;
 }
 
 impl Pooled for Stream {
+    type Io = Stream;
     fn stream_mut(&mut self) -> &mut Stream {
         self
     }
@@ -105,7 +108,7 @@ impl<C: Pooled> UpstreamPool<C> {
 
 /// Whether an idle connection is still usable: a read must find nothing to read yet. End of
 /// stream (the engine closed it), an error, or bytes nobody asked for all mean it is not.
-fn is_open(stream: &mut Stream) -> bool {
+fn is_open(stream: &mut (impl AsyncRead + Unpin)) -> bool {
     let mut byte = [0u8; 1];
     // `unconstrained`: tokio's cooperative budget could otherwise make a ready read look
     // pending.

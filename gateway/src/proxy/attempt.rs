@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
-use pingora::protocols::Stream;
-use pingora::upstreams::peer::HttpPeer;
+use pingora::upstreams::peer::{HttpPeer, Peer};
+use tokio::net::TcpStream;
 
 use crate::admission::Ticket;
 use crate::cluster::Backend;
@@ -24,7 +24,7 @@ use crate::downstream::Downstream;
 use crate::error::{ProxyError, UpstreamErrorKind};
 use crate::policy::RouteInput;
 use crate::state::Active;
-use crate::upstream::{request_head, EngineConnection, EngineIoError, Forwarded, ResponseHead};
+use crate::upstream::{request_head, EngineConnection, EngineIoError, EngineStream, Forwarded, ResponseHead};
 
 use super::ctx::RequestCtx;
 use super::plan::RoutePlan;
@@ -352,9 +352,7 @@ impl ProxyApp {
             Some(up) => (up, true),
             None => match Box::pin(connect(&self.state.connector, peer, cfg)).await {
                 Ok(stream) => (EngineConnection::new(stream), false),
-                Err(e) => {
-                    return Err(AttemptError::Upstream(UpstreamErrorKind::Connect, ProxyError::Upstream(e.to_string())))
-                }
+                Err(e) => return Err(AttemptError::Upstream(UpstreamErrorKind::Connect, ProxyError::Upstream(e))),
             },
         };
         let fwd = Forwarded {
@@ -391,16 +389,28 @@ impl ProxyApp {
     }
 }
 
-/// Open a new connection to `peer` with the configured timeouts.
+/// Open a new connection to `peer` within the connect timeout: a plain socket with
+/// `TCP_NODELAY` (as pingora sets it) for an `http://` engine, pingora's connector (TLS,
+/// its certificate checks) for an `https://` one.
 async fn connect(
     connector: &pingora::connectors::TransportConnector,
     peer: &HttpPeer,
     cfg: &GatewayConfig,
-) -> pingora::Result<Stream> {
+) -> Result<EngineStream, String> {
+    let limit = cfg.timeouts.connect();
+    if let (false, Some(addr)) = (peer.is_tls(), peer.address().as_inet()) {
+        let stream = match tokio::time::timeout(limit, TcpStream::connect(addr)).await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(e)) => return Err(format!("connecting to {addr}: {e}")),
+            Err(_) => return Err(format!("connecting to {addr}: no answer within {} ms", limit.as_millis())),
+        };
+        stream.set_nodelay(true).map_err(|e| format!("connecting to {addr}: {e}"))?;
+        return Ok(EngineStream::Tcp(stream));
+    }
     let mut peer = peer.clone();
-    peer.options.connection_timeout = Some(cfg.timeouts.connect());
-    peer.options.total_connection_timeout = Some(cfg.timeouts.connect());
-    connector.new_stream(&peer).await
+    peer.options.connection_timeout = Some(limit);
+    peer.options.total_connection_timeout = Some(limit);
+    connector.new_stream(&peer).await.map(EngineStream::Tls).map_err(|e| e.to_string())
 }
 
 /// The policy's choice among `candidates` (their position, and its reason). Policies that
