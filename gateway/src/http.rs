@@ -5,24 +5,12 @@ use bytes::Bytes;
 use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
 
-/// Headers that describe one hop and are never forwarded (RFC 9110 §7.6.1, plus `host` and
-/// `content-length`, which the gateway sets itself).
-#[cfg(test)]
-pub(crate) const HOP_BY_HOP: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "transfer-encoding",
-    "te",
-    "trailer",
-    "upgrade",
-    "host",
-    "content-length",
-];
-
-/// Whether `name` (in any case) is one of [`HOP_BY_HOP`]: by its length first, so one
-/// comparison at most where a scan of the list takes nine (every header of every request
-/// and response passes here).
+/// Whether `name` (in any case) names a header that describes one hop and is never
+/// forwarded (RFC 9110 §7.6.1: `connection`, `keep-alive`, `proxy-connection`,
+/// `transfer-encoding`, `te`, `trailer`, `upgrade`; plus `host` and `content-length`, which
+/// the gateway sets itself). By its length first, so one comparison at most where a scan of
+/// the list takes nine (every header of every request and response passes here); a test
+/// holds it to the list.
 pub(crate) fn is_hop_by_hop(name: &[u8]) -> bool {
     let candidate: &[u8] = match name.len() {
         2 => b"te",
@@ -94,6 +82,19 @@ pub(crate) async fn respond_headers(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The hop-by-hop headers, as [`is_hop_by_hop`]'s documentation lists them.
+    const HOP_BY_HOP: &[&str] = &[
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "host",
+        "content-length",
+    ];
 
     #[test]
     fn the_hop_by_hop_check_agrees_with_the_list() {

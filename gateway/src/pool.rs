@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use foldhash::{HashMap, HashMapExt};
 use futures_util::FutureExt;
 use parking_lot::Mutex;
+#[cfg(test)]
 use pingora::protocols::Stream;
 use tokio::io::{AsyncRead, AsyncReadExt};
 
@@ -31,6 +32,8 @@ pub trait Pooled: Send {
     fn stream_mut(&mut self) -> &mut Self::Io;
 }
 
+/// A bare stream pools as itself (the tests' connections).
+#[cfg(test)]
 impl Pooled for Stream {
     type Io = Stream;
     fn stream_mut(&mut self) -> &mut Stream {
@@ -42,7 +45,7 @@ impl Pooled for Stream {
 type Idle<C> = VecDeque<(C, Instant)>;
 
 /// Idle upstream connections by backend.
-pub struct UpstreamPool<C: Pooled = Stream> {
+pub struct UpstreamPool<C: Pooled> {
     idle: Mutex<HashMap<u64, Idle<C>>>,
     /// The most idle connections kept per backend; the oldest is closed beyond it.
     max_idle: usize,
