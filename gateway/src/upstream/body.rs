@@ -124,7 +124,7 @@ impl BodyDecoder {
                     self.state = State::Done;
                 }
                 // The usual case, a whole chunk in the buffer (an SSE event): one step.
-                State::Chunked(Chunk::Size) if let Some(n) = whole_chunk(rest, out)? => *used += n,
+                State::Chunked(Chunk::Size) if let Some(n) = whole_chunk(rest, out) => *used += n,
                 State::Chunked(chunk) => match self.chunked(chunk, rest, out)? {
                     Some((next, n)) => {
                         self.state = next;
@@ -195,17 +195,31 @@ impl BodyDecoder {
 
 /// A whole data chunk at the front of `input` (size line, data, CRLF): its data copied to
 /// `out` and the bytes it took; `None` when it is not all there, or is the last chunk, or
-/// its data does not end in CRLF (the step-by-step decoder takes those, and the error).
-fn whole_chunk(input: &[u8], out: &mut BytesMut) -> Result<Option<usize>, BodyError> {
-    let Some(line) = line(input)? else { return Ok(None) };
-    let size = chunk_size(&input[..line])?;
-    let start = line + 2;
-    let Some(end) = usize::try_from(size).ok().and_then(|s| s.checked_add(start)) else { return Ok(None) };
-    if size == 0 || input.get(end..end + 2) != Some(b"\r\n") {
-        return Ok(None);
+/// its size line is more than bare hex digits, or its data does not end in CRLF (the
+/// step-by-step decoder takes those, and the error).
+///
+/// The size is read digit by digit up to its CRLF, one pass over the two or three bytes an
+/// SSE event's size takes, instead of finding the line's end first and parsing it second.
+fn whole_chunk(input: &[u8], out: &mut BytesMut) -> Option<usize> {
+    let mut size = 0u64;
+    let mut digits = 0;
+    while let Some(v) = input.get(digits).and_then(|&b| hex_digit(b)) {
+        if digits == 15 {
+            return None;
+        }
+        size = (size << 4) | u64::from(v);
+        digits += 1;
+    }
+    if digits == 0 || size == 0 || input.get(digits..digits + 2) != Some(b"\r\n") {
+        return None;
+    }
+    let start = digits + 2;
+    let end = usize::try_from(size).ok()?.checked_add(start)?;
+    if input.get(end..end + 2) != Some(b"\r\n") {
+        return None;
     }
     out.extend_from_slice(&input[start..end]);
-    Ok(Some(end + 2))
+    Some(end + 2)
 }
 
 /// Copy up to `left` bytes from the front of `input` to `out`; how many.
@@ -239,16 +253,16 @@ fn chunk_size(line: &[u8]) -> Result<u64, BodyError> {
         return Err(BodyError::ChunkSize);
     }
     // At most 15 hex digits: 60 bits, no overflow.
-    Ok(line[..digits].iter().fold(0u64, |n, &b| (n << 4) | u64::from(hex_value(b))))
+    Ok(line[..digits].iter().fold(0u64, |n, &b| (n << 4) | u64::from(hex_digit(b).unwrap_or(0))))
 }
 
-/// An ASCII hex digit's value (`b` is one).
-fn hex_value(b: u8) -> u8 {
+/// An ASCII hex digit's value; `None` for any other byte.
+fn hex_digit(b: u8) -> Option<u8> {
     match b {
-        b'0'..=b'9' => b - b'0',
-        b'a'..=b'f' => b - b'a' + 10,
-        b'A'..=b'F' => b - b'A' + 10,
-        _ => 0,
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
     }
 }
 
@@ -290,6 +304,45 @@ mod tests {
             assert_eq!(data, b"hello, worldabcdefghijklmnopqrstuvwxyz", "step {step}");
             assert_eq!(progress, Ok(Progress::Ended), "step {step}");
             assert_eq!(left, 0);
+        }
+    }
+
+    /// The one-pass path for a whole chunk and the step-by-step decoder agree: random bodies
+    /// whose size lines take every shape (bare hex in either case, leading zeros, the 15-digit
+    /// limit, whitespace and extensions the fast path leaves to the other), fed whole and in
+    /// random pieces, decode to the same data and end.
+    #[test]
+    fn chunk_size_lines_of_every_shape_decode_alike_whole_or_split() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for _ in 0..2000 {
+            let (mut wire, mut data) = (Vec::new(), Vec::new());
+            for _ in 0..rng.random_range(0..6) {
+                let chunk: Vec<u8> = (0..rng.random_range(1..300)).map(|_| rng.random_range(b' '..=b'~')).collect();
+                let hex = format!("{:x}", chunk.len());
+                let hex = if rng.random_bool(0.5) { hex.to_uppercase() } else { hex };
+                let zeros = "0".repeat(rng.random_range(0..=15 - hex.len()));
+                let tail = ["", "", " ", "\t", ";ext=1", " ; a=b"][rng.random_range(0..6)];
+                wire.extend_from_slice(format!("{zeros}{hex}{tail}\r\n").as_bytes());
+                wire.extend_from_slice(&chunk);
+                wire.extend_from_slice(b"\r\n");
+                data.extend_from_slice(&chunk);
+            }
+            wire.extend_from_slice(b"0\r\n\r\n");
+            for step in [wire.len(), rng.random_range(1..wire.len())] {
+                let (got, progress, left) = decode_in_steps(Framing::Chunked, &wire, step);
+                let wire = String::from_utf8_lossy(&wire);
+                assert_eq!(
+                    (got.as_slice(), progress, left),
+                    (&data[..], Ok(Progress::Ended), 0),
+                    "step {step}: {wire:?}"
+                );
+            }
+        }
+        // Sixteen digits are refused, whichever path reads them.
+        let wire = b"0000000000000001\r\nx\r\n0\r\n\r\n";
+        for step in [1, wire.len()] {
+            assert_eq!(decode_in_steps(Framing::Chunked, wire, step).1, Err(BodyError::ChunkSize));
         }
     }
 
