@@ -49,6 +49,23 @@ pub struct Scraped {
     pub last_error: Option<String>,
 }
 
+impl Scraped {
+    /// Whether the backend serves `model`.
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.iter().any(|m| m == model)
+    }
+
+    /// The signal, if taken within `stale_after` of `now`.
+    pub fn fresh_signal(&self, now: Instant, stale_after: Duration) -> Option<SignalView> {
+        let (s, at) = self.signal.as_ref()?;
+        (now.saturating_duration_since(*at) <= stale_after).then(|| SignalView {
+            waiting: s.waiting,
+            running: s.running,
+            kv_usage: s.kv_usage.unwrap_or(0.0),
+        })
+    }
+}
+
 /// Passive health state.
 #[derive(Debug, Clone, Default)]
 pub struct Health {
@@ -193,31 +210,20 @@ impl Backend {
 
     /// Routing state now.
     pub fn state(&self, now: Instant, down_after_failures: u32) -> BackendState {
+        self.state_with(&self.scraped.load(), now, down_after_failures)
+    }
+
+    /// [`Self::state`] with the scraped snapshot already loaded.
+    fn state_with(&self, scraped: &Scraped, now: Instant, down_after_failures: u32) -> BackendState {
         if let Some(until) = self.health.lock().ejected_until {
             if until > now {
                 return BackendState::Ejected;
             }
         }
-        if self.addr.is_none() || self.scraped.load().consecutive_failures >= down_after_failures {
+        if self.addr.is_none() || scraped.consecutive_failures >= down_after_failures {
             return BackendState::Down;
         }
         BackendState::Up
-    }
-
-    /// Whether this backend serves `model`.
-    pub fn serves(&self, model: &str) -> bool {
-        self.scraped.load().models.iter().any(|m| m == model)
-    }
-
-    /// The fresh signal, if any.
-    pub fn fresh_signal(&self, now: Instant, stale_after: Duration) -> Option<SignalView> {
-        let scraped = self.scraped.load();
-        let (s, at) = scraped.signal.as_ref()?;
-        (now.saturating_duration_since(*at) <= stale_after).then(|| SignalView {
-            waiting: s.waiting,
-            running: s.running,
-            kv_usage: s.kv_usage.unwrap_or(0.0),
-        })
     }
 
     /// Count a successful exchange (resets the failure streak).
@@ -285,26 +291,33 @@ impl ClusterView {
         stale_after: Duration,
     ) -> (Vec<Candidate>, bool) {
         let mut known = false;
+        let mut adapters_reported = false;
         let mut out = Vec::with_capacity(self.backends.len());
         for (index, b) in self.backends.iter().enumerate() {
-            if !b.serves(model) {
+            // One snapshot per backend for all that is read of it here.
+            let scraped = b.scraped.load();
+            if !scraped.serves(model) {
                 continue;
             }
             known = true;
-            if exclude.contains(&index) || b.state(now, down_after_failures) != BackendState::Up {
+            if exclude.contains(&index) || b.state_with(&scraped, now, down_after_failures) != BackendState::Up {
                 continue;
             }
+            adapters_reported |= scraped.lora.is_some();
             out.push(Candidate {
                 index,
                 key: b.key,
                 inflight: b.inflight.load(Ordering::Relaxed),
-                signal: b.fresh_signal(now, stale_after),
+                signal: scraped.fresh_signal(now, stale_after),
                 pending_prefill_tokens: b.pending_prefill_tokens.load(Ordering::Relaxed),
                 prefill_tokens_per_s: b.prefill_tokens_per_s(),
                 matched_tokens: 0,
             });
         }
-        self.prefer_adapter_holders(&mut out, model);
+        // Most engines report no adapters: nothing to prefer then.
+        if adapters_reported {
+            self.prefer_adapter_holders(&mut out, model);
+        }
         (out, known)
     }
 
@@ -314,10 +327,6 @@ impl ClusterView {
     /// when any has. The policy then decides among them by load. Engines that report no
     /// adapters change nothing.
     fn prefer_adapter_holders(&self, out: &mut Vec<Candidate>, model: &str) {
-        // Most engines report no adapters: nothing to collect then.
-        if out.iter().all(|c| self.backends[c.index].scraped.load().lora.is_none()) {
-            return;
-        }
         let lora: Vec<Option<Arc<switchyard_shim::LoraInfo>>> =
             out.iter().map(|c| self.backends[c.index].scraped.load().lora.clone()).collect();
         let keep = |want: &dyn Fn(&switchyard_shim::LoraInfo) -> bool, out: &mut Vec<Candidate>| {

@@ -180,7 +180,7 @@ impl Exchange {
             let _ = inbound.message().await;
         };
         let name = tenant.as_ref().map(|t| t.name.as_str());
-        let ticket = match self.app.queue(gone, &plan.model, ctx.started, plan.priority, name).await {
+        let ticket = match self.app.queue(gone, &planned_with, &plan.model, ctx.started, plan.priority, name).await {
             Admitted::Go(t) => t,
             Admitted::Refused(ProxyError::NoBackend(model)) => {
                 return Err(self.reject(ProxyError::Shed(model), ctx).await)
@@ -203,7 +203,7 @@ impl Exchange {
             Err(e) => return Err(self.fail(e, ctx).await),
         };
         let backend = active.cluster.backends[pick.index].clone();
-        let guard = InflightGuard::new(backend.clone(), pick.uncached, pick.work, plan.stream);
+        let guard = InflightGuard::new(backend.clone(), pick.uncached, pick.work, plan.stream, Instant::now());
         drop(ticket);
         let mut endpoints = endpoint(&backend);
         for i in fallbacks {
@@ -238,7 +238,7 @@ impl Exchange {
         let backend = active.cluster.backends[index].clone();
         ctx.backend = Some(backend.clone());
         ctx.reason = Some("random");
-        let guard = InflightGuard::new(backend.clone(), 0, 0, false);
+        let guard = InflightGuard::new(backend.clone(), 0, 0, false, Instant::now());
         self.send_route(&endpoint(&backend), &active, ctx, false).await?;
         Ok(Routed { active, index, guard })
     }
@@ -357,7 +357,7 @@ impl Exchange {
         let backend = backends[index].clone();
         ctx.backend = Some(backend.clone());
         ctx.retries += 1;
-        r.guard = InflightGuard::new(backend, 0, 0, false);
+        r.guard = InflightGuard::new(backend, 0, 0, false, Instant::now());
         r.index = index;
     }
 
@@ -370,7 +370,7 @@ impl Exchange {
         ctx.chunks += 1;
         ctx.response_bytes += chunk.len();
         if !r.guard.prefilled() && (!ctx.sse || ctx.content.observe(chunk)) {
-            r.guard.first_content();
+            r.guard.first_content(Instant::now());
         }
         if ctx.ttft.is_none() {
             let t = ctx.started.elapsed();

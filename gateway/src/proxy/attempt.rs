@@ -67,8 +67,9 @@ pub(crate) struct InflightGuard {
 }
 
 impl InflightGuard {
-    /// Count a request on `backend` with its `pending` uncached prompt tokens.
-    pub(crate) fn new(backend: Arc<Backend>, pending: u64, work: u64, learn: bool) -> Self {
+    /// Count a request on `backend` with its `pending` uncached prompt tokens, sent at
+    /// `dispatched`.
+    pub(crate) fn new(backend: Arc<Backend>, pending: u64, work: u64, learn: bool, dispatched: Instant) -> Self {
         backend.inflight.fetch_add(1, Ordering::Relaxed);
         backend.routed.fetch_add(1, Ordering::Relaxed);
         backend.pending_prefill_tokens.fetch_add(pending, Ordering::Relaxed);
@@ -76,7 +77,7 @@ impl InflightGuard {
         // no sample to learn from (`observe_prefill` skips small ones): the response is then
         // not scanned for it.
         let prefilled = pending == 0 && (!learn || work < crate::cluster::MIN_SAMPLE_TOKENS);
-        InflightGuard { backend, pending, work, learn, dispatched: Instant::now(), prefilled }
+        InflightGuard { backend, pending, work, learn, dispatched, prefilled }
     }
 
     /// Whether the first content has arrived.
@@ -84,14 +85,13 @@ impl InflightGuard {
         self.prefilled
     }
 
-    /// The first generated content arrived ([`crate::request::ContentDetector`]; for a
-    /// response that is not a stream, its first byte): the prefill is done.
-    pub(crate) fn first_content(&mut self) {
+    /// The first generated content arrived at `now` ([`crate::request::ContentDetector`];
+    /// for a response that is not a stream, its first byte): the prefill is done.
+    pub(crate) fn first_content(&mut self, now: Instant) {
         if std::mem::replace(&mut self.prefilled, true) {
             return;
         }
         if self.learn {
-            let now = Instant::now();
             self.backend.observe_prefill(self.work, now.duration_since(self.dispatched).as_secs_f64(), now);
         }
         self.backend.pending_prefill_tokens.fetch_sub(std::mem::take(&mut self.pending), Ordering::Relaxed);
@@ -124,17 +124,19 @@ impl ProxyApp {
             plan.fit_policy(s.head(), body, &active, self.state.kv_events.as_deref());
         }
         let plan = &*plan;
-        self.state.retry_budget.lock().record_request(Instant::now());
+        // One clock reading per attempt: routing, the pool's idle check and the dispatch time.
+        let mut now = Instant::now();
+        self.state.retry_budget.lock().record_request(now);
         loop {
-            let pick = match self.pick(&active, plan, ctx) {
+            let pick = match self.pick(&active, plan, ctx, now) {
                 Ok(p) => p,
                 Err(e) => return self.fail(s, e, ctx).await,
             };
             let backend = active.cluster.backends[pick.index].clone();
-            let mut inflight = InflightGuard::new(backend.clone(), pick.uncached, pick.work, plan.stream);
+            let mut inflight = InflightGuard::new(backend.clone(), pick.uncached, pick.work, plan.stream, now);
             drop(ticket.take());
             let id = ctx.request_id.as_deref().unwrap_or("");
-            match self.exchange(s, &backend, body, &active.config, id).await {
+            match self.exchange(s, &backend, body, &active.config, id, now).await {
                 Ok((_, head)) if self.retry_status(&active, plan, ctx, pick.index, head.status) => {}
                 Ok((up, head)) => return self.stream(s, up, head, &active, pick.index, ctx, &mut inflight).await,
                 Err(AttemptError::Refused(error)) => return self.fail(s, error, ctx).await,
@@ -155,6 +157,7 @@ impl ProxyApp {
                     ctx.last_error = Some(error);
                     self.state.metrics.retries.inc();
                     ctx.retries += 1;
+                    now = Instant::now();
                 }
             }
         }
@@ -162,8 +165,14 @@ impl ProxyApp {
 
     /// Let the policy choose among the routable backends not tried yet, with each one's
     /// matched prefix filled in from the prefix index; the index learns the choice.
-    fn pick(&self, active: &Arc<Active>, plan: &RoutePlan, ctx: &mut RequestCtx) -> Result<Pick, ProxyError> {
-        let (candidates, prompt_tokens) = match self.scored(active, plan, &ctx.tried) {
+    fn pick(
+        &self,
+        active: &Arc<Active>,
+        plan: &RoutePlan,
+        ctx: &mut RequestCtx,
+        now: Instant,
+    ) -> Result<Pick, ProxyError> {
+        let (candidates, prompt_tokens) = match self.scored(active, plan, &ctx.tried, now) {
             Ok(x) => x,
             // Every backend tried: answer the last attempt's error.
             Err(e @ ProxyError::NoBackend(_)) => return Err(ctx.last_error.take().unwrap_or(e)),
@@ -184,7 +193,7 @@ impl ProxyApp {
         excluded: &[usize],
         fallbacks: usize,
     ) -> Result<(Pick, Vec<usize>), ProxyError> {
-        let (mut candidates, prompt_tokens) = self.scored(active, plan, excluded)?;
+        let (mut candidates, prompt_tokens) = self.scored(active, plan, excluded, Instant::now())?;
         let (at, reason) = choose(active, plan, &candidates, 0);
         let pick = self.commit(active, plan, ctx, candidates.swap_remove(at), reason, prompt_tokens);
         let mut rest = Vec::with_capacity(fallbacks.min(candidates.len()));
@@ -205,8 +214,9 @@ impl ProxyApp {
         active: &Arc<Active>,
         plan: &RoutePlan,
         tried: &[usize],
+        now: Instant,
     ) -> Result<(Vec<crate::policy::Candidate>, u64), ProxyError> {
-        let (mut candidates, known) = routable(active, &plan.model, tried);
+        let (mut candidates, known) = routable(active, &plan.model, tried, now);
         if !known {
             // Before any backend has told its models (none scraped yet: starting up, or
             // every engine unreachable since), nobody can say the model does not exist.
@@ -301,10 +311,14 @@ impl ProxyApp {
     /// Whether a request that failed on `tried` may have another attempt: attempts left,
     /// another backend to try, and the retry budget not spent (taken from it when true).
     fn may_retry(&self, active: &Active, model: &str, tried: &[usize]) -> bool {
-        if tried.len() as u32 >= active.config.retries.max_attempts || routable(active, model, tried).0.is_empty() {
+        if tried.len() as u32 >= active.config.retries.max_attempts {
             return false;
         }
-        let granted = self.state.retry_budget.lock().try_retry(Instant::now());
+        let now = Instant::now();
+        if routable(active, model, tried, now).0.is_empty() {
+            return false;
+        }
+        let granted = self.state.retry_budget.lock().try_retry(now);
         if !granted {
             self.upstream_failed(active, None, UpstreamErrorKind::RetryBudgetSpent, &"no retry left in the budget");
         }
@@ -339,6 +353,7 @@ impl ProxyApp {
         body: &Bytes,
         cfg: &GatewayConfig,
         request_id: &str,
+        now: Instant,
     ) -> Result<(EngineConnection, ResponseHead), AttemptError> {
         let Some(peer) = &backend.peer else {
             let error = ProxyError::Upstream(format!("{} does not resolve", backend.authority));
@@ -347,7 +362,7 @@ impl ProxyApp {
         // A pooled connection first. Connecting (TCP, maybe TLS) is a future of ~9 KB that
         // would otherwise be inlined into every request's state machine and copied when
         // pingora boxes it, so it gets its own box, on the rare path only.
-        let pooled = self.state.pool.take(backend.pool_key, Instant::now());
+        let pooled = self.state.pool.take(backend.pool_key, now);
         let (mut up, reused) = match pooled {
             Some(up) => (up, true),
             None => match Box::pin(connect(&self.state.connector, peer, cfg)).await {

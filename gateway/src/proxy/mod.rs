@@ -334,7 +334,7 @@ impl ProxyApp {
         let tenant = ctx.tenant.as_ref().map(|t| t.name.as_str());
         // The body was read whole: anything the client does now is leaving.
         let gone = s.closed();
-        let ticket = match self.queue(gone, &plan.model, ctx.started, plan.priority, tenant).await {
+        let ticket = match self.queue(gone, &planned_with, &plan.model, ctx.started, plan.priority, tenant).await {
             queue::Admitted::Go(t) => t,
             queue::Admitted::Refused(e) => return self.reject_or_fail(s, e, ctx).await,
             queue::Admitted::ClientGone => {
@@ -544,16 +544,17 @@ pub(crate) fn is_model_route(path: &str) -> bool {
 }
 
 /// Backends that may take a request for `model` now, `tried` excluded: up, not ejected,
-/// under the circuit breaker's in-flight limit. Also whether any backend serves the model.
-pub(crate) fn routable(active: &Active, model: &str, tried: &[usize]) -> (Vec<crate::policy::Candidate>, bool) {
+/// under the circuit breaker's in-flight limit, as of `now`. Also whether any backend serves
+/// the model.
+pub(crate) fn routable(
+    active: &Active,
+    model: &str,
+    tried: &[usize],
+    now: Instant,
+) -> (Vec<crate::policy::Candidate>, bool) {
     let cfg = &active.config;
-    let (mut candidates, known) = active.cluster.candidates(
-        model,
-        tried,
-        Instant::now(),
-        cfg.scrape.down_after_failures,
-        cfg.scrape.stale_after(),
-    );
+    let (mut candidates, known) =
+        active.cluster.candidates(model, tried, now, cfg.scrape.down_after_failures, cfg.scrape.stale_after());
     let max = cfg.health.max_inflight_per_backend;
     if max > 0 {
         candidates.retain(|c| c.inflight < max);

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use crate::admission::{Full, TenantCap, Ticket};
 use crate::error::ProxyError;
 use crate::metrics::GatewayMetrics;
+use crate::state::Active;
 
 use super::{routable, ProxyApp};
 
@@ -46,23 +47,25 @@ impl ProxyApp {
     pub(crate) async fn queue(
         &self,
         gone: impl std::future::Future,
+        active: &Active,
         model: &str,
         started: Instant,
         priority: i32,
         tenant: Option<&str>,
     ) -> Admitted {
-        let ready = || {
-            let active = self.state.active.load();
-            let (candidates, known) = routable(&active, model, &[]);
+        let ready_in = |active: &Active| {
+            let (candidates, known) = routable(active, model, &[], Instant::now());
             let adm = &active.config.admission;
             candidates.iter().any(|c| !adm.saturated(c.signal.as_ref()))
                 || (!known && !active.cluster.models().is_empty())
         };
-        let adm = self.state.active.load().config.admission.clone();
         let queue = &self.state.queue;
-        if adm.max_wait_ms == 0 || (queue.is_empty() && ready()) {
+        // The usual case, decided on the snapshot the request was planned under.
+        if active.config.admission.max_wait_ms == 0 || (queue.is_empty() && ready_in(active)) {
             return Admitted::Go(None);
         }
+        let ready = || ready_in(&self.state.active.load());
+        let adm = self.state.active.load().config.admission.clone();
         let tenant: Option<Arc<str>> = tenant.filter(|_| adm.max_queue_per_tenant.is_some()).map(Into::into);
         let cap = tenant.as_ref().zip(adm.max_queue_per_tenant).map(|(tenant, max)| TenantCap { tenant, max });
         let ticket = match queue.try_enter(priority, adm.max_queue, cap) {

@@ -167,13 +167,18 @@ impl ProxyApp {
             buf.clear();
             buf.extend_from_slice(&rewritten);
         }
-        if !inflight.prefilled() && !buf.is_empty() && (!ctx.sse || ctx.content.observe(buf)) {
-            inflight.first_content();
-        }
-        if !buf.is_empty() && ctx.ttft.is_none() {
-            let t = ctx.started.elapsed();
-            ctx.ttft = Some(t);
-            self.state.metrics.of(backend).ttft.observe(t.as_secs_f64());
+        let first_content = !inflight.prefilled() && !buf.is_empty() && (!ctx.sse || ctx.content.observe(buf));
+        let first_bytes = !buf.is_empty() && ctx.ttft.is_none();
+        if first_content || first_bytes {
+            let now = Instant::now();
+            if first_content {
+                inflight.first_content(now);
+            }
+            if first_bytes {
+                let t = now.saturating_duration_since(ctx.started);
+                ctx.ttft = Some(t);
+                self.state.metrics.of(backend).ttft.observe(t.as_secs_f64());
+            }
         }
         ctx.response_bytes += buf.len();
         ctx.chunks += 1;
