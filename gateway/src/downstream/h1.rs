@@ -42,6 +42,9 @@ const LINGER_TOTAL: Duration = Duration::from_secs(5);
 pub struct H1Connection {
     stream: Stream,
     buf: BytesMut,
+    /// A response's head and framing, put before they leave with its body bytes; the
+    /// allocation is reused by the connection's responses.
+    out: BytesMut,
     peer: Option<IpAddr>,
     /// The `Date` value and the second it is for.
     date: (u64, [u8; 29]),
@@ -51,7 +54,7 @@ impl H1Connection {
     /// A connection over an accepted (maybe TLS) stream.
     pub fn new(stream: Stream) -> Self {
         let peer = stream.get_socket_digest().and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
-        H1Connection { stream, buf: BytesMut::new(), peer, date: (0, [0; 29]) }
+        H1Connection { stream, buf: BytesMut::new(), out: BytesMut::new(), peer, date: (0, [0; 29]) }
     }
 
     /// Whether bytes of a next request have arrived already.
@@ -62,7 +65,12 @@ impl H1Connection {
     /// Wait until the client sends something; false when it closed the connection (or
     /// it failed).
     pub async fn wait_readable(&mut self) -> bool {
-        self.buf.reserve(READ_BYTES);
+        // Reads go on into the buffer's free end while a quarter of `READ_BYTES` is left:
+        // the request in progress still holds its head (and body) in the front of the
+        // allocation, so reserving more now would allocate anew on every request.
+        if self.buf.capacity() - self.buf.len() < READ_BYTES / 4 {
+            self.buf.reserve(READ_BYTES);
+        }
         matches!(self.stream.read_buf(&mut self.buf).await, Ok(n) if n > 0)
     }
 
@@ -147,6 +155,15 @@ impl H1Connection {
         out.put_slice(b"\r\n");
     }
 
+    /// Keep the written `out` buffer for the next response: cleared, unless it grew past
+    /// [`KEEP_OUT_BYTES`] (a large inlined chunk), whose memory goes back.
+    fn keep_out(&mut self, mut out: BytesMut) {
+        if out.capacity() <= KEEP_OUT_BYTES {
+            out.clear();
+            self.out = out;
+        }
+    }
+
     /// The `Date` value for now, formatted once a second.
     fn date(&mut self) -> &[u8] {
         let now = SystemTime::now();
@@ -187,8 +204,6 @@ pub struct H1Request<'c> {
     continue_due: bool,
     keepalive: bool,
     out: Out,
-    /// The response head (and framing), not yet written.
-    pending: BytesMut,
 }
 
 impl<'c> H1Request<'c> {
@@ -201,15 +216,8 @@ impl<'c> H1Request<'c> {
         };
         let keepalive = keepalive && head.wants_keepalive();
         let continue_due = head.expects_continue();
-        H1Request {
-            conn,
-            head,
-            body: BodyDecoder::new(framing),
-            continue_due,
-            keepalive,
-            out: Out::Idle,
-            pending: BytesMut::new(),
-        }
+        conn.out.clear();
+        H1Request { conn, head, body: BodyDecoder::new(framing), continue_due, keepalive, out: Out::Idle }
     }
 
     /// The request head.
@@ -252,6 +260,9 @@ impl<'c> H1Request<'c> {
         loop {
             if self.body.is_done() {
                 return Ok(None);
+            }
+            if let Some(data) = self.body.take_whole(&mut self.conn.buf) {
+                return Ok(Some(data));
             }
             let mut data = BytesMut::new();
             self.body.decode(&mut self.conn.buf, &mut data).map_err(|e| e.to_string())?;
@@ -307,7 +318,7 @@ impl<'c> H1Request<'c> {
             }
             None => Out::Chunked,
         };
-        let mut out = std::mem::take(&mut self.pending);
+        let mut out = std::mem::take(&mut self.conn.out);
         out.reserve(256);
         self.conn.put_status_line(&mut out, status);
         for (name, value) in fields {
@@ -323,7 +334,7 @@ impl<'c> H1Request<'c> {
             _ => {}
         }
         out.put_slice(b"\r\n");
-        self.pending = out;
+        self.conn.out = out;
     }
 
     /// Write the response head now (a stream whose first bytes are not here yet).
@@ -331,46 +342,51 @@ impl<'c> H1Request<'c> {
     /// # Errors
     /// The client is gone.
     pub async fn flush_head(&mut self) -> io::Result<()> {
-        let head = std::mem::take(&mut self.pending);
-        self.conn.write(&head, &[]).await
+        let head = std::mem::take(&mut self.conn.out);
+        let written = self.conn.write(&head, &[]).await;
+        self.conn.keep_out(head);
+        written
     }
 
     /// Write `data` (with the head, if it has not left yet); `end`: the body is complete.
     ///
     /// # Errors
     /// The client is gone.
-    pub async fn write_body(&mut self, data: Bytes, end: bool) -> io::Result<()> {
-        let mut out = std::mem::take(&mut self.pending);
+    pub async fn write_body(&mut self, data: &[u8], end: bool) -> io::Result<()> {
+        let mut out = std::mem::take(&mut self.conn.out);
         let data = match self.out {
             Out::Chunked => {
                 if !data.is_empty() {
                     put_chunk_size(&mut out, data.len());
                     if data.len() <= INLINE_BYTES {
-                        out.put_slice(&data);
+                        out.put_slice(data);
                         out.put_slice(b"\r\n");
                     }
                 }
                 if data.len() > INLINE_BYTES {
                     // Large: the data leaves from its own buffer, its CRLF after it.
-                    self.conn.write(&out, &data).await?;
+                    self.conn.write(&out, data).await?;
                     out.clear();
                     out.put_slice(b"\r\n");
                 }
                 if end {
                     out.put_slice(b"0\r\n\r\n");
                 }
-                Bytes::new()
+                &[][..]
             }
-            Out::NoBody | Out::Ended | Out::Idle => Bytes::new(),
+            Out::NoBody | Out::Ended | Out::Idle => &[][..],
             Out::Length | Out::UntilClose => data,
         };
         if end && self.out != Out::NoBody {
             self.out = Out::Ended;
         }
         if out.is_empty() && data.is_empty() {
+            self.conn.keep_out(out);
             return Ok(());
         }
-        self.conn.write(&out, &data).await
+        let written = self.conn.write(&out, data).await;
+        self.conn.keep_out(out);
+        written
     }
 }
 
@@ -379,6 +395,9 @@ const MAX_PIPELINED: usize = 64 * 1024;
 
 /// Chunks up to this size are copied next to their size line (one buffer, one write).
 const INLINE_BYTES: usize = 16 * 1024;
+
+/// The largest write buffer a connection keeps between responses.
+const KEEP_OUT_BYTES: usize = 8 * 1024;
 
 /// A chunk's size line: the length in hex, CRLF.
 fn put_chunk_size(out: &mut BytesMut, n: usize) {
@@ -459,7 +478,7 @@ mod tests {
         let head = conn.read_head(4096, 16).await.unwrap().unwrap();
         let mut r = H1Request::new(&mut conn, head, true);
         r.write_head(200, [(&b"content-type"[..], &b"text/plain"[..]), (b"content-length", b"99")], Some(2));
-        r.write_body(Bytes::from_static(b"ok"), true).await.unwrap();
+        r.write_body(b"ok", true).await.unwrap();
         assert!(r.reusable());
         let got = received(&mut client).await;
         assert!(got.starts_with("HTTP/1.1 200 OK\r\ndate: "), "{got}");
@@ -478,10 +497,10 @@ mod tests {
         r.write_head(200, [], None);
         r.flush_head().await.unwrap();
         assert!(received(&mut client).await.ends_with("transfer-encoding: chunked\r\n\r\n"));
-        r.write_body(Bytes::from_static(b"data: 1\n\n"), false).await.unwrap();
+        r.write_body(b"data: 1\n\n", false).await.unwrap();
         assert_eq!(received(&mut client).await, "9\r\ndata: 1\n\n\r\n");
-        let big = Bytes::from(vec![b'x'; INLINE_BYTES + 1]);
-        r.write_body(big, true).await.unwrap();
+        let big = vec![b'x'; INLINE_BYTES + 1];
+        r.write_body(&big, true).await.unwrap();
         let mut got = String::new();
         while !got.ends_with("0\r\n\r\n") {
             got.push_str(&received(&mut client).await);
@@ -493,7 +512,7 @@ mod tests {
         let head = conn.read_head(4096, 16).await.unwrap().unwrap();
         let mut r = H1Request::new(&mut conn, head, true);
         r.write_head(200, [], None);
-        r.write_body(Bytes::from_static(b"raw"), true).await.unwrap();
+        r.write_body(b"raw", true).await.unwrap();
         let got = received(&mut client).await;
         assert!(
             got.contains("connection: close\r\n") && !got.contains("chunked") && got.ends_with("\r\n\r\nraw"),
@@ -520,7 +539,7 @@ mod tests {
         let head = conn.read_head(4096, 16).await.unwrap().unwrap();
         let mut r = H1Request::new(&mut conn, head, true);
         r.write_head(413, [], Some(0));
-        r.write_body(Bytes::new(), true).await.unwrap();
+        r.write_body(b"", true).await.unwrap();
         assert!(received(&mut client).await.contains("connection: close\r\n"));
         assert!(!r.reusable(), "the rest of the body would be read as the next head");
     }

@@ -10,7 +10,7 @@ pub(crate) mod head;
 
 use std::net::IpAddr;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
 
@@ -144,8 +144,21 @@ impl Downstream<'_> {
     /// Write body bytes; `end`: the body is complete. False when the client is gone.
     pub async fn write_body(&mut self, data: Bytes, end: bool) -> bool {
         match self {
-            Downstream::H1(r) => r.write_body(data, end).await.is_ok(),
+            Downstream::H1(r) => r.write_body(&data, end).await.is_ok(),
             Downstream::Pingora(p) => p.session.write_response_body(data, end).await.is_ok(),
+        }
+    }
+
+    /// [`Self::write_body`] from a buffer the caller fills again: it is left empty, its
+    /// allocation kept where the bytes were copied out (HTTP/1.1) rather than handed on.
+    pub async fn write_body_from(&mut self, buf: &mut BytesMut, end: bool) -> bool {
+        match self {
+            Downstream::H1(r) => {
+                let written = r.write_body(buf, end).await.is_ok();
+                buf.clear();
+                written
+            }
+            Downstream::Pingora(p) => p.session.write_response_body(buf.split().freeze(), end).await.is_ok(),
         }
     }
 

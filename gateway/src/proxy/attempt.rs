@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use pingora::upstreams::peer::{HttpPeer, Peer};
 use tokio::net::TcpStream;
 
@@ -378,11 +378,10 @@ impl ProxyApp {
         };
         // The query string goes too: the route's bytes reach the engine as the client sent them.
         let path = s.head().path_and_query();
-        let mut head = BytesMut::new();
-        request_head(&mut head, s.head(), path, &backend.authority, body.len(), &fwd)
+        request_head(up.request_head_buffer(), s.head(), path, &backend.authority, body.len(), &fwd)
             .map_err(|e| AttemptError::Refused(ProxyError::BadRequest(format!("cannot forward this request: {e}"))))?;
         let sent = async {
-            up.send(head, body, cfg.timeouts.idle()).await?;
+            up.send(body, cfg.timeouts.idle()).await?;
             up.read_head(cfg.timeouts.first_byte()).await
         };
         let result = tokio::select! {

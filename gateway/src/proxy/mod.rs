@@ -583,12 +583,27 @@ async fn read_body(
     }
     let reservation = held.insert(bodies.reserve(declared, cap).ok_or(ProxyError::BodyBufferFull)?);
     let read = async {
-        let mut buf = BytesMut::with_capacity(declared as usize);
+        // A body that arrives in one piece (the usual one, read with its head) is kept as
+        // it is (`whole`); one in several pieces is gathered into `buf`.
+        let mut whole: Option<Bytes> = None;
+        let mut buf = BytesMut::new();
         while let Some(chunk) =
             s.read_body().await.map_err(|e| ProxyError::BadRequest(format!("could not read the request body: {e}")))?
         {
-            if (buf.len() + chunk.len()) as u64 > limit {
+            let len = whole.as_ref().map_or(buf.len(), Bytes::len) + chunk.len();
+            if len as u64 > limit {
                 return Err(ProxyError::BodyTooLarge { limit });
+            }
+            if whole.is_none() && buf.is_empty() {
+                if !reservation.grow_to(chunk.len() as u64, cap) {
+                    return Err(ProxyError::BodyBufferFull);
+                }
+                whole = Some(chunk);
+                continue;
+            }
+            if let Some(first) = whole.take() {
+                buf.reserve(len.max(declared as usize));
+                buf.extend_from_slice(&first);
             }
             buf.reserve(chunk.len());
             if !reservation.grow_to(buf.capacity() as u64, cap) {
@@ -596,7 +611,7 @@ async fn read_body(
             }
             buf.extend_from_slice(&chunk);
         }
-        Ok(buf.freeze())
+        Ok(whole.unwrap_or_else(|| buf.freeze()))
     };
     match tokio::time::timeout(cfg.limits.body_read_timeout(), read).await {
         Ok(r) => r,

@@ -185,7 +185,7 @@ impl ProxyApp {
         if ctx.charged.is_some() {
             ctx.usage.observe(buf);
         }
-        if !s.write_body(buf.split().freeze(), end).await {
+        if !s.write_body_from(buf, end).await {
             ctx.client_gone();
             return false;
         }

@@ -5,7 +5,7 @@
 //! that cannot be decoded yet (half a chunk-size line) stay in the input for the next read.
 //! Pure: no I/O, so every split of the input is testable.
 
-use bytes::{Buf, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 
 /// The longest chunk-size line (size, extensions) or trailer line accepted.
 const MAX_LINE: usize = 4096;
@@ -134,6 +134,16 @@ impl BodyDecoder {
                 },
             }
         }
+    }
+
+    /// A body framed by its length whose rest is all in `input` (a request body that
+    /// arrived with its head): split off whole, sharing `input`'s memory instead of copying
+    /// it. `None` when there is more to come or another framing: [`Self::decode`] then.
+    pub fn take_whole(&mut self, input: &mut BytesMut) -> Option<Bytes> {
+        let State::Length(left) = self.state else { return None };
+        let n = usize::try_from(left).ok().filter(|&n| n <= input.len())?;
+        self.state = State::Done;
+        Some(input.split_to(n).freeze())
     }
 
     /// The engine closed the connection: fine for a body read until close (then it has
@@ -352,6 +362,22 @@ mod tests {
         assert_eq!((data.as_slice(), progress, left), (&b"hi"[..], Ok(Progress::Ended), 12));
         let (data, progress, left) = decode_in_steps(Framing::Length(3), b"abcdef", 64);
         assert_eq!((data.as_slice(), progress, left), (&b"abc"[..], Ok(Progress::Ended), 3));
+    }
+
+    #[test]
+    fn a_whole_length_framed_body_is_split_off_and_anything_else_is_left() {
+        let mut d = BodyDecoder::new(Framing::Length(5));
+        let mut input = BytesMut::from(&b"hel"[..]);
+        assert_eq!(d.take_whole(&mut input), None, "not all there yet");
+        input.extend_from_slice(b"loGET /");
+        assert_eq!(d.take_whole(&mut input).as_deref(), Some(&b"hello"[..]));
+        assert!(d.is_done());
+        assert_eq!(&input[..], b"GET /", "what follows the body stays");
+        assert_eq!(d.take_whole(&mut input), None, "nothing after the end");
+        let mut input = BytesMut::from(&b"5\r\nhello\r\n0\r\n\r\n"[..]);
+        assert_eq!(BodyDecoder::new(Framing::Chunked).take_whole(&mut input), None);
+        assert_eq!(BodyDecoder::new(Framing::UntilClose).take_whole(&mut input), None);
+        assert_eq!(input.len(), 15);
     }
 
     #[test]

@@ -34,6 +34,9 @@ pub(crate) use head::{request_head, Forwarded, HeadError, ResponseHead};
 /// Room made before each read from an engine.
 const READ_BYTES: usize = 16 * 1024;
 
+/// The largest request buffer a connection keeps for its next request.
+const KEEP_WRITE_BYTES: usize = 8 * 1024;
+
 /// Why an exchange with an engine failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum EngineIoError {
@@ -121,6 +124,9 @@ pub struct EngineConnection {
     body: Option<BodyDecoder>,
     /// The engine keeps the connection after the response.
     keepalive: bool,
+    /// The request being sent (its head, and a small body behind it); the allocation is
+    /// reused by the connection's requests.
+    write: BytesMut,
 }
 
 impl crate::pool::Pooled for EngineConnection {
@@ -133,27 +139,44 @@ impl crate::pool::Pooled for EngineConnection {
 impl EngineConnection {
     /// A connection over `stream`, with nothing read yet.
     pub fn new(stream: EngineStream) -> Self {
-        EngineConnection { stream, read: BytesMut::new(), body: None, keepalive: false }
+        EngineConnection { stream, read: BytesMut::new(), body: None, keepalive: false, write: BytesMut::new() }
     }
 
-    /// Write the whole request (`head` then `body`) within `limit`: one write, unless the
-    /// body is large (then copying it behind the head would cost more than a second write).
-    pub async fn send(&mut self, mut head: BytesMut, body: &Bytes, limit: Duration) -> Result<(), EngineIoError> {
+    /// The buffer to put the next request's head in, empty ([`Self::send`] sends it).
+    pub fn request_head_buffer(&mut self) -> &mut BytesMut {
+        self.write.clear();
+        &mut self.write
+    }
+
+    /// Write the whole request (the head put in [`Self::request_head_buffer`], then `body`)
+    /// within `limit`: one write, unless the body is large (then copying it behind the head
+    /// would cost more than a second write).
+    pub async fn send(&mut self, body: &Bytes, limit: Duration) -> Result<(), EngineIoError> {
         const JOIN_BELOW: usize = 64 * 1024;
+        let (stream, head) = (&mut self.stream, &mut self.write);
         let write = async {
             if body.len() < JOIN_BELOW {
                 head.extend_from_slice(body);
-                self.stream.write_all(&head).await?;
+                stream.write_all(head).await?;
             } else {
-                self.stream.write_all(&head).await?;
-                self.stream.write_all(body).await?;
+                stream.write_all(head).await?;
+                stream.write_all(body).await?;
             }
-            self.stream.flush().await
+            stream.flush().await
         };
-        match timeout(limit, write).await {
+        let written = match timeout(limit, write).await {
             Ok(r) => r.map_err(EngineIoError::Io),
             Err(_) => Err(EngineIoError::WriteTimeout),
-        }
+        };
+        // A large request's buffer is not kept for the connection's idle time in the pool.
+        self.write = match std::mem::take(&mut self.write) {
+            mut w if w.capacity() <= KEEP_WRITE_BYTES => {
+                w.clear();
+                w
+            }
+            _ => BytesMut::new(),
+        };
+        written
     }
 
     /// Read the response head within `limit` (interim 1xx responses skipped).
