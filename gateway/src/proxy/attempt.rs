@@ -384,7 +384,9 @@ impl ProxyApp {
             up.send(body, cfg.timeouts.idle()).await?;
             up.read_head(cfg.timeouts.first_byte()).await
         };
+        // The engine's side first: once its answer is in, the client is not read as well.
         let result = tokio::select! {
+            biased;
             r = sent => r,
             () = s.closed() => return Err(AttemptError::ClientGone),
         };

@@ -62,7 +62,9 @@ impl ProxyApp {
                 }
                 Err(e) => return self.broken(s, &e, is_sse, active, index, ctx).await,
             }
+            // The engine's side first: while it has bytes ready, the client is not read as well.
             next = tokio::select! {
+                biased;
                 r = timeout(idle, up.read_body(&mut buf)) => r.unwrap_or(Err(EngineIoError::ReadTimeout)),
                 () = s.closed() => {
                     // The client left: dropping `up` closes the engine connection (abort).

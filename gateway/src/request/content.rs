@@ -38,7 +38,7 @@ impl ContentDetector {
             joined = std::mem::take(&mut self.pending);
             &joined
         };
-        while let Some(end) = find(data, b"\n\n") {
+        while let Some(end) = find_event_end(data) {
             if event_has_content(&data[..end]) {
                 self.found = true;
                 return true;
@@ -54,8 +54,10 @@ impl ContentDetector {
     }
 }
 
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    memchr::memmem::find(hay, needle)
+/// Where the event at the front of `data` ends (its blank line).
+fn find_event_end(data: &[u8]) -> Option<usize> {
+    static EVENT_END: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\n\n"));
+    EVENT_END.find(data)
 }
 
 /// One SSE event (`data: {...}` lines): does a choice carry generated content? Read from the
