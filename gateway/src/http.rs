@@ -1,9 +1,23 @@
 //! Small HTTP helpers both listeners use: a complete response in one call, and the
 //! hop-by-hop header set that never crosses the proxy.
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
+
+/// Make room in a connection's read buffer before a read of up to `bytes`. An empty buffer
+/// goes back to the start of its allocation when nothing else holds a part of it, so every
+/// request reads into the same (cached) memory instead of marching through the buffer;
+/// otherwise reads go on into the free end while a quarter of `bytes` is left, and only then
+/// is room reserved (which allocates anew while a request in progress holds the front).
+pub(crate) fn make_read_room(buf: &mut BytesMut, bytes: usize) {
+    if buf.is_empty() && buf.try_reclaim(bytes) {
+        return;
+    }
+    if buf.capacity() - buf.len() < bytes / 4 {
+        buf.reserve(bytes);
+    }
+}
 
 /// Whether `name` (in any case) names a header that describes one hop and is never
 /// forwarded (RFC 9110 §7.6.1: `connection`, `keep-alive`, `proxy-connection`,
@@ -82,6 +96,31 @@ pub(crate) async fn respond_headers(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_read_buffer_rewinds_when_empty_and_alone_and_grows_only_when_nearly_full() {
+        let mut buf = BytesMut::new();
+        make_read_room(&mut buf, 1024);
+        let start = buf.as_ptr();
+        assert!(buf.capacity() >= 1024);
+        // A request read and consumed: the next read starts at the front again.
+        buf.extend_from_slice(&[b'x'; 600]);
+        let _ = buf.split_to(600);
+        make_read_room(&mut buf, 1024);
+        assert_eq!((buf.as_ptr(), buf.capacity() >= 1024), (start, true));
+        // A head still held by the request in progress: reads go on behind it, no new buffer.
+        buf.extend_from_slice(&[b'x'; 600]);
+        let head = buf.split_to(600).freeze();
+        make_read_room(&mut buf, 1024);
+        assert_eq!(buf.as_ptr(), start.wrapping_add(600));
+        // Until less than a quarter is left: then room is made elsewhere.
+        buf.extend_from_slice(&[b'y'; 300]);
+        let _rest = buf.split_to(300);
+        assert!(buf.capacity() < 256);
+        make_read_room(&mut buf, 1024);
+        assert!(buf.capacity() >= 1024);
+        drop(head);
+    }
 
     /// The hop-by-hop headers, as [`is_hop_by_hop`]'s documentation lists them.
     const HOP_BY_HOP: &[&str] = &[

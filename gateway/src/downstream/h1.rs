@@ -65,12 +65,7 @@ impl H1Connection {
     /// Wait until the client sends something; false when it closed the connection (or
     /// it failed).
     pub async fn wait_readable(&mut self) -> bool {
-        // Reads go on into the buffer's free end while a quarter of `READ_BYTES` is left:
-        // the request in progress still holds its head (and body) in the front of the
-        // allocation, so reserving more now would allocate anew on every request.
-        if self.buf.capacity() - self.buf.len() < READ_BYTES / 4 {
-            self.buf.reserve(READ_BYTES);
-        }
+        crate::http::make_read_room(&mut self.buf, READ_BYTES);
         matches!(self.stream.read_buf(&mut self.buf).await, Ok(n) if n > 0)
     }
 
@@ -308,7 +303,7 @@ impl<'c> H1Request<'c> {
         if !self.body.is_done() {
             self.keepalive = false;
         }
-        let no_body = self.head.method() == "HEAD" || status == 204 || status == 304;
+        let no_body = self.head.method_is("HEAD") || status == 204 || status == 304;
         self.out = match length {
             _ if no_body => Out::NoBody,
             Some(_) => Out::Length,

@@ -172,6 +172,11 @@ impl RequestHead {
         self.str(self.method)
     }
 
+    /// Whether the method is `method` (compared as bytes: no text check on the way).
+    pub fn method_is(&self, method: &str) -> bool {
+        &self.raw[self.method.range()] == method.as_bytes()
+    }
+
     /// The path and query, as the engine gets them.
     pub fn path_and_query(&self) -> &str {
         match self.str(self.target) {
@@ -252,7 +257,7 @@ impl RequestHead {
 
     /// Narrow `target` to the path and query, checking an absolute-form target's authority.
     fn resolve_target(&mut self) -> Result<(), ProxyError> {
-        if self.method() == "CONNECT" {
+        if self.method_is("CONNECT") {
             return Err(bad("CONNECT is not supported: the gateway is not a tunnel"));
         }
         let target = &self.raw[self.target.range()];

@@ -247,9 +247,7 @@ impl EngineConnection {
 
     /// One read from the engine into the buffer; 0 at end of stream.
     async fn fill(&mut self) -> std::io::Result<usize> {
-        if self.read.capacity() - self.read.len() < READ_BYTES / 4 {
-            self.read.reserve(READ_BYTES);
-        }
+        crate::http::make_read_room(&mut self.read, READ_BYTES);
         self.stream.read_buf(&mut self.read).await
     }
 }
