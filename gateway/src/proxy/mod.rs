@@ -613,7 +613,7 @@ async fn read_body(
         }
         Ok(whole.unwrap_or_else(|| buf.freeze()))
     };
-    match tokio::time::timeout(cfg.limits.body_read_timeout(), read).await {
+    match crate::deadline::within(cfg.limits.body_read_timeout(), read).await {
         Ok(r) => r,
         Err(_) => Err(ProxyError::BodyTimeout(cfg.limits.body_read_timeout_ms)),
     }

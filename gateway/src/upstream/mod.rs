@@ -164,7 +164,7 @@ impl EngineConnection {
             }
             stream.flush().await
         };
-        let written = match timeout(limit, write).await {
+        let written = match crate::deadline::within(limit, write).await {
             Ok(r) => r.map_err(EngineIoError::Io),
             Err(_) => Err(EngineIoError::WriteTimeout),
         };
