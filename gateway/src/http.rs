@@ -1,5 +1,6 @@
-//! Small HTTP helpers both listeners use: a complete response in one call, and the
-//! hop-by-hop header set that never crosses the proxy.
+//! Small HTTP helpers both listeners use: a complete response in one call, the hop-by-hop
+//! header set that never crosses the proxy, and how a connection's read and write buffers
+//! are reused from one request to the next (client and engine connections alike).
 
 use bytes::{Bytes, BytesMut};
 use pingora::http::ResponseHeader;
@@ -16,6 +17,21 @@ pub(crate) fn make_read_room(buf: &mut BytesMut, bytes: usize) {
     }
     if buf.capacity() - buf.len() < bytes / 4 {
         buf.reserve(bytes);
+    }
+}
+
+/// The largest write buffer a connection keeps between uses (a client connection's response
+/// head and inlined chunks, an engine connection's request); a larger one is let go rather
+/// than held through the connection's idle time.
+pub(crate) const KEEP_WRITE_BYTES: usize = 8 * 1024;
+
+/// Empty a connection's write buffer for its next use, keeping the allocation unless it grew
+/// past [`KEEP_WRITE_BYTES`].
+pub(crate) fn recycle_write_buffer(buf: &mut BytesMut) {
+    if buf.capacity() > KEEP_WRITE_BYTES {
+        *buf = BytesMut::new();
+    } else {
+        buf.clear();
     }
 }
 

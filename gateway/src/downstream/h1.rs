@@ -150,13 +150,11 @@ impl H1Connection {
         out.put_slice(b"\r\n");
     }
 
-    /// Keep the written `out` buffer for the next response: cleared, unless it grew past
-    /// [`KEEP_OUT_BYTES`] (a large inlined chunk), whose memory goes back.
-    fn keep_out(&mut self, mut out: BytesMut) {
-        if out.capacity() <= KEEP_OUT_BYTES {
-            out.clear();
-            self.out = out;
-        }
+    /// Keep the written `out` buffer for the next response
+    /// ([`crate::http::recycle_write_buffer`]).
+    fn keep_out(&mut self, out: BytesMut) {
+        self.out = out;
+        crate::http::recycle_write_buffer(&mut self.out);
     }
 
     /// The `Date` value for now, formatted once a second.
@@ -390,9 +388,6 @@ const MAX_PIPELINED: usize = 64 * 1024;
 
 /// Chunks up to this size are copied next to their size line (one buffer, one write).
 const INLINE_BYTES: usize = 16 * 1024;
-
-/// The largest write buffer a connection keeps between responses.
-const KEEP_OUT_BYTES: usize = 8 * 1024;
 
 /// A chunk's size line: the length in hex, CRLF.
 fn put_chunk_size(out: &mut BytesMut, n: usize) {

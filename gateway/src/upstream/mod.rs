@@ -34,9 +34,6 @@ pub(crate) use head::{request_head, Forwarded, HeadError, ResponseHead};
 /// Room made before each read from an engine.
 const READ_BYTES: usize = 16 * 1024;
 
-/// The largest request buffer a connection keeps for its next request.
-const KEEP_WRITE_BYTES: usize = 8 * 1024;
-
 /// Why an exchange with an engine failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum EngineIoError {
@@ -168,12 +165,7 @@ impl EngineConnection {
             Ok(r) => r.map_err(EngineIoError::Io),
             Err(_) => Err(EngineIoError::WriteTimeout),
         };
-        // A large request's buffer is not kept for the connection's idle time in the pool.
-        if self.write.capacity() > KEEP_WRITE_BYTES {
-            self.write = BytesMut::new();
-        } else {
-            self.write.clear();
-        }
+        crate::http::recycle_write_buffer(&mut self.write);
         written
     }
 
@@ -257,7 +249,8 @@ mod tests {
     use tokio::net::TcpListener;
 
     /// Requests sent one after another on one connection arrive whole and alone: the reused
-    /// request buffer starts empty each time, and one grown past [`KEEP_WRITE_BYTES`] is let go.
+    /// request buffer starts empty each time, and one grown past
+    /// [`crate::http::KEEP_WRITE_BYTES`] is let go.
     #[tokio::test]
     async fn each_request_leaves_whole_from_a_buffer_reused_or_let_go() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -274,7 +267,7 @@ mod tests {
             let mut got = vec![0; head.len() + body.len()];
             engine.read_exact(&mut got).await.unwrap();
             assert_eq!(got, [head.as_bytes(), &body].concat());
-            assert!(up.write.is_empty() && up.write.capacity() <= KEEP_WRITE_BYTES);
+            assert!(up.write.is_empty() && up.write.capacity() <= crate::http::KEEP_WRITE_BYTES);
         }
     }
 }
