@@ -98,8 +98,9 @@ pub struct GatewayConfig {
     pub admin: AdminConfig,
     /// Worker threads of the proxy (0 = one per CPU).
     pub threads: usize,
-    /// One work-stealing runtime over the worker threads (true), or one single-threaded
-    /// runtime per thread, each serving the connections it accepted (false, NGINX's model).
+    /// One single-threaded runtime per thread, each serving the connections it accepted and
+    /// keeping its own idle engine connections (false, the default: NGINX's worker model,
+    /// see [`crate::cores`]), or pingora's work-stealing runtime over the threads (true).
     /// Read at start.
     pub work_stealing: bool,
     /// Where backends come from.
@@ -261,7 +262,7 @@ impl Default for GatewayConfig {
             admin_listen: DEFAULT_ADMIN_LISTEN.into(),
             admin: AdminConfig::default(),
             threads: 0,
-            work_stealing: true,
+            work_stealing: false,
             discovery: DiscoveryConfig::default(),
             scrape: ScrapeConfig::default(),
             policy: PolicyConfig::default(),
@@ -1023,6 +1024,14 @@ pub fn parse_backend_url(url: &str) -> Result<BackendAddr, String> {
 }
 
 impl GatewayConfig {
+    /// The proxy's threads: `threads`, or one per CPU when it is 0.
+    pub fn worker_threads(&self) -> usize {
+        match self.threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
+    }
+
     /// Read, parse and validate a YAML file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path)
@@ -1171,7 +1180,7 @@ retries: { max_attempts: 3 }
         let section = readme.split("### `switchyard-gateway --config").nth(1).expect("README has the gateway section");
         let yaml = section.split("```yaml\n").nth(1).and_then(|b| b.split("```").next()).expect("a yaml block");
         let cfg: GatewayConfig = serde_yaml::from_str(yaml).unwrap_or_else(|e| panic!("README gateway config: {e}"));
-        assert!(cfg.work_stealing);
+        assert!(!cfg.work_stealing);
         assert_eq!(cfg.discovery.static_backends.len(), 2);
     }
 

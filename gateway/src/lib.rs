@@ -33,6 +33,7 @@ pub(crate) mod body_budget;
 pub(crate) mod cluster;
 pub mod config;
 pub(crate) mod connection;
+pub(crate) mod cores;
 pub(crate) mod deadline;
 pub(crate) mod discovery;
 pub mod downstream;

@@ -109,6 +109,37 @@ impl<C: Pooled> UpstreamPool<C> {
     }
 }
 
+/// One [`UpstreamPool`] per core thread ([`crate::cores`]) and one for every other thread. A
+/// connection's socket is registered with the reactor of the thread that opened it, so it
+/// is reused only on that core: handed to another, each of its reads would wake a task
+/// across threads. NGINX keeps its `keepalive` pool per worker process the same way.
+pub struct Pools<C: Pooled> {
+    /// `[0]`: threads that are not cores (pingora's runtimes); `[1 + i]`: core `i`.
+    shards: Box<[UpstreamPool<C>]>,
+}
+
+impl<C: Pooled> Pools<C> {
+    /// Pools for `cores` core threads (0: none, everything shares one), each keeping up to
+    /// `max_idle` connections per backend for up to `idle_timeout`.
+    pub fn new(cores: usize, max_idle: usize, idle_timeout: Duration) -> Self {
+        Pools { shards: (0..=cores).map(|_| UpstreamPool::new(max_idle, idle_timeout)).collect() }
+    }
+
+    /// The pool of `core` (`None`: not a core thread). A core beyond those the pools were
+    /// made for shares the first pool.
+    pub fn of(&self, core: Option<usize>) -> &UpstreamPool<C> {
+        let shard = core.map_or(0, |i| i + 1);
+        self.shards.get(shard).unwrap_or(&self.shards[0])
+    }
+
+    /// [`UpstreamPool::sweep`] every pool.
+    pub fn sweep(&self, now: Instant) {
+        for pool in &self.shards {
+            pool.sweep(now);
+        }
+    }
+}
+
 /// Whether an idle connection is still usable: a read must find nothing to read yet. End of
 /// stream (the engine closed it), an error, or bytes nobody asked for all mean it is not.
 fn is_open(stream: &mut (impl AsyncRead + Unpin)) -> bool {
@@ -191,5 +222,27 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(50)).await;
         pool.sweep(t0 + Duration::from_secs(61));
         assert_eq!(pool.idle_count(), 0, "one timed out, the other was closed by its engine");
+    }
+
+    #[tokio::test]
+    async fn each_core_reuses_only_its_own_connections() {
+        let pools = Pools::new(2, 8, Duration::from_secs(60));
+        let now = Instant::now();
+        let (a, _fa) = pair().await;
+        let (b, _fb) = pair().await;
+        let (ida, idb) = (id(&a), id(&b));
+        pools.of(Some(0)).put(1, a, now);
+        pools.of(None).put(1, b, now);
+        assert!(pools.of(Some(1)).take(1, now).is_none(), "core 1 has none of its own");
+        assert_eq!(pools.of(Some(0)).take(1, now).map(|s| id(&s)), Some(ida));
+        assert!(pools.of(Some(0)).take(1, now).is_none(), "nor does core 0 take the shared one");
+        assert_eq!(pools.of(Some(7)).take(1, now).map(|s| id(&s)), Some(idb), "an unknown core shares the first");
+
+        let (c, far) = pair().await;
+        pools.of(Some(1)).put(1, c, now);
+        drop(far);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        pools.sweep(now);
+        assert_eq!(pools.of(Some(1)).idle_count(), 0, "sweep reaches every core's pool");
     }
 }

@@ -153,7 +153,7 @@ impl BackgroundService for Reloader {
                     if flush_due.elapsed() >= ACCESS_LOG_FLUSH {
                         self.state.access_log.flush();
                         self.check_certificates();
-                        self.state.pool.sweep(std::time::Instant::now());
+                        self.state.pools.sweep(std::time::Instant::now());
                         flush_due = std::time::Instant::now();
                     }
                     let every = self.state.active.load().config.discovery.resolve_interval_ms;

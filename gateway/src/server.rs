@@ -22,9 +22,10 @@ use pingora::services::listening::Service;
 use pingora::services::{ServiceReadyNotifier, ServiceWithDependents};
 
 use crate::config::GatewayConfig;
-use crate::{admin, connection, discovery, drain, metrics, proxy, reload, scrape, state, tls};
+use crate::{admin, connection, cores, discovery, drain, metrics, proxy, reload, scrape, state, tls};
 
-/// Buffers of a TLS client connection, under rustls. The write buffer holds a response header
+/// Buffers of a TLS client connection accepted by pingora (`work_stealing: true`; the cores
+/// of [`cores`] hand rustls an unbuffered socket). The write buffer holds a response header
 /// until the first body write, so header and first chunk leave in one `write` (pingora's
 /// default of 1,460 bytes is smaller than a typical first SSE chunk plus header, which costs
 /// a second syscall per response); it is allocated per connection, so 16 KiB × 1,000
@@ -98,14 +99,14 @@ impl<S: ServiceWithDependents> ServiceWithDependents for PreBound<S> {
 pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     let registry = prometheus::Registry::new();
     let metrics = metrics::GatewayMetrics::new(registry)?;
-    let threads = match config.threads {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
-    };
+    let threads = config.worker_threads();
     let work_stealing = config.work_stealing;
     let conf = ServerConf {
         threads,
-        work_stealing,
+        // pingora's own runtimes (the admin listener, background services; the API
+        // listener too with `work_stealing: true`). Its one-runtime-per-thread mode is not
+        // used: `work_stealing: false` serves the API listener from `cores`.
+        work_stealing: true,
         // pingora sleeps this long after closing the listeners; `drain` exits earlier
         // when nothing is left in flight.
         grace_period_seconds: Some(
@@ -137,20 +138,29 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     let api_addr = api.as_ref().map(|(_, addr)| *addr);
     if let Some((api_socket, api_addr)) = api {
         let edge = connection::Edge::new(app.clone(), state.clone());
-        let mut proxy = Service::new("switchyard-proxy".into(), edge);
-        let listen = api_addr.to_string();
-        match &certs {
-            Some(store) => {
-                let mut settings = pingora::listeners::tls::TlsSettings::intermediate("", "")?;
-                settings.set_cert_resolver(store.clone());
-                if http2 {
-                    settings.enable_h2();
-                }
-                proxy.add_listener(ListenerConfig::tcp(&listen).tls(settings).l4_buffer(tls_client_buffers()));
+        let tls_settings = || -> anyhow::Result<Option<pingora::listeners::tls::TlsSettings>> {
+            let Some(store) = &certs else { return Ok(None) };
+            let mut settings = pingora::listeners::tls::TlsSettings::intermediate("", "")?;
+            settings.set_cert_resolver(store.clone());
+            if http2 {
+                settings.enable_h2();
             }
-            None => proxy.add_listener(ListenerConfig::tcp(&listen).l4_buffer(cleartext_client_buffers())),
+            Ok(Some(settings))
+        };
+        if work_stealing {
+            let mut proxy = Service::new("switchyard-proxy".into(), edge);
+            let listen = api_addr.to_string();
+            match tls_settings()? {
+                Some(tls) => proxy.add_listener(ListenerConfig::tcp(&listen).tls(tls).l4_buffer(tls_client_buffers())),
+                None => proxy.add_listener(ListenerConfig::tcp(&listen).l4_buffer(cleartext_client_buffers())),
+            }
+            server.add_service(PreBound { inner: proxy, sockets: vec![(api_addr, api_socket)] });
+        } else {
+            let (tx, shutdown) = tokio::sync::watch::channel(false);
+            let acceptor = tls_settings()?.map(|settings| std::sync::Arc::new(settings.build()));
+            cores::start(api_socket, threads, std::sync::Arc::new(edge), acceptor, shutdown)?;
+            server.add_service(background_service("cores-shutdown", cores::ShutdownBridge(tx)));
         }
-        server.add_service(PreBound { inner: proxy, sockets: vec![(api_addr, api_socket)] });
     }
     let mut admin = Service::new("switchyard-admin".into(), admin::AdminApp::new(state.clone()));
     admin.add_tcp(&admin_addr.to_string());

@@ -82,8 +82,8 @@ pub struct GatewayState {
     pub active: Arc<ArcSwap<Active>>,
     /// Opens upstream connections (pingora; TCP, TLS).
     pub connector: TransportConnector,
-    /// Idle upstream connections for reuse.
-    pub pool: crate::pool::UpstreamPool<crate::upstream::EngineConnection>,
+    /// Idle upstream connections for reuse, one pool per core ([`GatewayState::pool`]).
+    pub pools: crate::pool::Pools<crate::upstream::EngineConnection>,
     /// Metrics.
     pub metrics: GatewayMetrics,
     /// Draining or not, and the connections being served (drain waits for zero).
@@ -132,11 +132,13 @@ impl GatewayState {
             config.auth.shared_limits.clone().map(|c| crate::shared_limits::SharedLimits::new(c, metrics.clone()));
         let r = &config.retries;
         let retry_budget = RetryBudget::new(r.budget_percent, r.min_retries_per_second, std::time::Instant::now());
+        // Core threads serve the API listener unless one work-stealing runtime does.
+        let cores = if config.work_stealing { 0 } else { config.worker_threads() };
         Arc::new(GatewayState {
             prefix,
             active: Arc::new(ArcSwap::from_pointee(Active::new(config, cluster, auth))),
             connector: TransportConnector::new(Some(connector_options)),
-            pool: crate::pool::UpstreamPool::new(UPSTREAM_MAX_IDLE, UPSTREAM_IDLE),
+            pools: crate::pool::Pools::new(cores, UPSTREAM_MAX_IDLE, UPSTREAM_IDLE),
             bodies: BodyBudget::new(metrics.buffered_body_bytes.clone()),
             metrics,
             lifecycle: Arc::default(),
@@ -147,6 +149,11 @@ impl GatewayState {
             kv_events: config_kv_events,
             shared_limits,
         })
+    }
+
+    /// The idle engine connections of the calling thread's core ([`crate::cores`]).
+    pub fn pool(&self) -> &crate::pool::UpstreamPool<crate::upstream::EngineConnection> {
+        self.pools.of(crate::cores::current())
     }
 
     /// Replace the backends found by discovery (Kubernetes EndpointSlices, DNS) and rebuild

@@ -14,7 +14,8 @@ Bars: none (a diagnostic; docs/performance.md reads its output). Exit status: 0 
 2 when it could not measure.
 
 Usage: python3 loadtest/bench/cpu_split.py [--rounds N] [--seconds S] [--gateway-bin PATH]
-       [--other-gateway-bin PATH]   (default: 5 rounds of 6 s, the dist gateway)
+       [--other-gateway-bin PATH] [--gateway-config YAML] [--other-gateway-config YAML]
+       (default: 5 rounds of 6 s, the dist gateway)
 """
 import argparse
 import os
@@ -44,6 +45,8 @@ def main():
     ap.add_argument("--seconds", type=int, default=6)
     ap.add_argument("--gateway-bin", default=None, help="the gateway to measure (default: the dist build)")
     ap.add_argument("--other-gateway-bin", default=None, help="a second gateway build, measured alongside")
+    ap.add_argument("--gateway-config", default="", help="lines added to the gateway's config")
+    ap.add_argument("--other-gateway-config", default="", help="lines added to the second gateway's config")
     args = ap.parse_args()
     procs.prepare([("nginx", "nginx-light"), ("wrk", "wrk")])
     binary = args.gateway_bin or gateway_vs_proxies.build_dist_gateway()
@@ -51,9 +54,9 @@ def main():
     body = gateway_vs_proxies.completion_body(fast)
     servers, urls = {}, {}
     servers["nginx"], urls["nginx"] = procs.start_nginx("nginx", fast)
-    servers["gateway"], urls["gateway"] = procs.start_gateway("gateway", fast, "", binary)
+    servers["gateway"], urls["gateway"] = procs.start_gateway("gateway", fast, args.gateway_config, binary)
     if args.other_gateway_bin:
-        servers["other"], urls["other"] = procs.start_gateway("other", fast, "", args.other_gateway_bin)
+        servers["other"], urls["other"] = procs.start_gateway("other", fast, args.other_gateway_config, args.other_gateway_bin)
     targets = [("direct", fast)] + [(n, urls[n]) for n in servers]
     rows = {name: [] for name, _ in targets}
     for _ in range(args.rounds):

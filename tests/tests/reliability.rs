@@ -316,3 +316,60 @@ async fn http2_stream_resets_leave_the_other_streams_alone() {
     .await;
     assert_eq!(engine.seen.streams_cut.load(Ordering::SeqCst), resets, "only the reset streams are cut off");
 }
+
+/// The names of a process's threads.
+fn thread_names(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|n| n.trim().to_string())
+        .collect()
+}
+
+/// `requests` requests on one keep-alive connection: every status.
+async fn on_one_connection(addr: SocketAddr, requests: usize) -> Vec<u16> {
+    use http_body_util::{BodyExt, Full};
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.unwrap();
+    tokio::spawn(conn);
+    let body = json!({"model": "m", "prompt": "keep-alive"}).to_string();
+    let mut statuses = Vec::new();
+    for _ in 0..requests {
+        sender.ready().await.expect("the connection was kept open");
+        let req = hyper::Request::post("/v1/completions")
+            .header("host", addr.to_string())
+            .header("content-type", "application/json")
+            .body(Full::new(bytes::Bytes::from(body.clone())))
+            .unwrap();
+        let resp = sender.send_request(req).await.unwrap();
+        statuses.push(resp.status().as_u16());
+        resp.into_body().collect().await.unwrap();
+    }
+    statuses
+}
+
+/// Both thread models serve keep-alive clients and reuse engine connections: one runtime per
+/// core (the default, threads `proxy-core-N`), each core keeping its own idle engine
+/// connections, and pingora's work-stealing runtime with one shared pool. A core that put
+/// its connections where it does not take them from would open one per request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_thread_models_serve_keep_alive_clients_on_reused_engine_connections() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    for (work_stealing, cores) in [(false, 2), (true, 0)] {
+        let g = GatewayProc::start(
+            &config(&[engine.url()]).threads(2).section("work_stealing", &work_stealing.to_string()),
+        );
+        wait_scraped(&g, 1).await;
+        let names = thread_names(g.pid());
+        let core_threads = names.iter().filter(|n| n.starts_with("proxy-core-")).count();
+        assert_eq!(core_threads, cores, "work_stealing: {work_stealing}: {names:?}");
+        let before = engine.seen.connections.load(Ordering::SeqCst);
+        let clients: Vec<_> = (0..4).map(|_| tokio::spawn(on_one_connection(g.addr, 25))).collect();
+        for c in clients {
+            assert_eq!(c.await.unwrap(), vec![200; 25], "work_stealing: {work_stealing}");
+        }
+        // At most 4 at a time per core, scrapes aside: far fewer than the 100 requests.
+        let opened = engine.seen.connections.load(Ordering::SeqCst) - before;
+        assert!(opened <= 12, "work_stealing: {work_stealing}: {opened} engine connections for 100 requests");
+    }
+}

@@ -362,7 +362,7 @@ impl ProxyApp {
         // A pooled connection first. Connecting (TCP, maybe TLS) is a future of ~9 KB that
         // would otherwise be inlined into every request's state machine and copied when
         // pingora boxes it, so it gets its own box, on the rare path only.
-        let pooled = self.state.pool.take(backend.pool_key, now);
+        let pooled = self.state.pool().take(backend.pool_key, now);
         let (mut up, reused) = match pooled {
             Some(up) => (up, true),
             None => match Box::pin(connect(&self.state.connector, peer, cfg)).await {

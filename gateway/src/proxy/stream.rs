@@ -197,7 +197,7 @@ impl ProxyApp {
     /// A response that ended cleanly leaves its connection to the pool.
     fn release(&self, up: EngineConnection, active: &Active, index: usize) {
         if let Some(conn) = up.into_reusable() {
-            self.state.pool.put(active.cluster.backends[index].pool_key, conn, Instant::now());
+            self.state.pool().put(active.cluster.backends[index].pool_key, conn, Instant::now());
         }
     }
 }
