@@ -17,7 +17,8 @@ alternating, medians of 3:
 
 Bars: none; the figures are reported (README, Performance). Exits 0 once it has measured,
 2 when it could not measure (a setup error).
-Usage: python3 loadtest/bench/edge_cost.py [--quick]
+Usage: python3 loadtest/bench/edge_cost.py [--quick] [--gateway-config YAML]
+(`--gateway-config`: lines added to both gateways' configs, e.g. `work_stealing: true`)
 """
 import hashlib
 import os
@@ -125,6 +126,7 @@ def handshakes_per_s(port, seconds):
 
 def main():
     quick = "--quick" in sys.argv
+    extra = sys.argv[sys.argv.index("--gateway-config") + 1] + "\n" if "--gateway-config" in sys.argv else ""
     duration = "3" if quick else "5"
     rounds_n = 1 if quick else 3
     subprocess.run(["cargo", "build", "--release", "--locked", "-p", "switchyard-engine", "-p", "switchyard-gateway",
@@ -134,13 +136,13 @@ def main():
     base.WORK = WORK
     ca, cert, key = make_pki()
     _, fast = base.start_engine("--sim-profile", "instant")
-    _, plain = start_gateway("plain", fast, "")
+    _, plain = start_gateway("plain", fast, extra)
     digest = hashlib.sha256(KEY.encode()).hexdigest()
     edge_port, edge = start_gateway(
         "edge", fast,
         f"tls: {{ cert_file: {cert}, key_file: {key} }}\n"
         f"auth:\n  keys:\n    - {{ tenant: bench, key_sha256: {digest}, requests_per_second: 1000000, "
-        f"burst: 1000000, tokens_per_minute: 1000000000000 }}\n", ca=ca)
+        f"burst: 1000000, tokens_per_minute: 1000000000000 }}\n{extra}", ca=ca)
     targets = [("direct", fast), ("plain", plain), ("edge", edge)]
     common = ["--api-key", KEY, "--ca-file", ca, "--prewarm-connections", "64"]
 
