@@ -14,8 +14,8 @@
 //! reactor. Measured in `docs/performance.md` (issue 23).
 //!
 //! The rest of the gateway (admin listener, scraper, discovery, reloads, the EPP) runs on
-//! pingora's runtimes as before. Shutdown is pingora's: [`ShutdownBridge`] passes its
-//! shutdown broadcast to the cores, whose accept loops then close their sockets while the
+//! pingora's runtimes as before. The cores start with pingora's services ([`Cores`] is one)
+//! and stop on its shutdown broadcast: their accept loops close their sockets while the
 //! connections still open finish under the drain ([`crate::drain`]).
 
 use std::cell::Cell;
@@ -25,13 +25,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use parking_lot::Mutex;
 use pingora::apps::ServerApp;
 use pingora::listeners::tls::Acceptor;
 use pingora::protocols::l4::stream::Stream as TcpStream;
 use pingora::protocols::{GetSocketDigest, SocketDigest, Stream};
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
-use tokio::sync::watch;
 
 use crate::connection::Edge;
 
@@ -52,37 +52,46 @@ pub fn current() -> Option<usize> {
     CORE.with(Cell::get)
 }
 
-/// Start `cores` threads, each with a single-threaded runtime serving `socket`'s
-/// connections through `edge` (after a TLS handshake by `tls`, when given), until `shutdown`
-/// says so. Fails before any thread starts when a runtime or a socket cannot be set up.
-pub fn start(
-    socket: TcpListener,
-    cores: usize,
+/// The API listener's cores, set up (runtimes built, the socket registered with each) and
+/// waiting for pingora to start its services: [`BackgroundService::start`] starts their
+/// threads then, beside the scraper and discovery, and hands them pingora's shutdown watch.
+pub struct Cores {
+    ready: Mutex<Vec<(tokio::runtime::Runtime, tokio::net::TcpListener)>>,
     edge: Arc<Edge>,
     tls: Option<Arc<Acceptor>>,
-    shutdown: ShutdownWatch,
-) -> anyhow::Result<()> {
-    let mut ready = Vec::with_capacity(cores);
-    for core in 0..cores {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| anyhow::anyhow!("core {core}: building its runtime: {e}"))?;
-        let dup = socket.try_clone().map_err(|e| anyhow::anyhow!("core {core}: duplicating the listener: {e}"))?;
-        // Registered with this core's reactor, so its readiness wakes this core only.
-        let listener = {
-            let _entered = runtime.enter();
-            tokio::net::TcpListener::from_std(dup)
-                .map_err(|e| anyhow::anyhow!("core {core}: registering the listener: {e}"))?
-        };
-        ready.push((runtime, listener));
+}
+
+impl Cores {
+    /// `cores` single-threaded runtimes, each with its own `dup` of `socket` registered with
+    /// its reactor, serving connections through `edge` (after a TLS handshake by `tls`, when
+    /// given). Fails when a runtime or a socket cannot be set up.
+    pub fn new(socket: TcpListener, cores: usize, edge: Arc<Edge>, tls: Option<Arc<Acceptor>>) -> anyhow::Result<Self> {
+        let mut ready = Vec::with_capacity(cores);
+        for core in 0..cores {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| anyhow::anyhow!("core {core}: building its runtime: {e}"))?;
+            let dup = socket.try_clone().map_err(|e| anyhow::anyhow!("core {core}: duplicating the listener: {e}"))?;
+            // Registered with this core's reactor, so its readiness wakes this core only.
+            let listener = {
+                let _entered = runtime.enter();
+                tokio::net::TcpListener::from_std(dup)
+                    .map_err(|e| anyhow::anyhow!("core {core}: registering the listener: {e}"))?
+            };
+            ready.push((runtime, listener));
+        }
+        Ok(Cores { ready: Mutex::new(ready), edge, tls })
     }
-    drop(socket);
-    for (core, (runtime, listener)) in ready.into_iter().enumerate() {
-        let (edge, tls, shutdown) = (edge.clone(), tls.clone(), shutdown.clone());
-        std::thread::Builder::new()
-            .name(format!("proxy-core-{core}"))
-            .spawn(move || {
+}
+
+#[async_trait]
+impl BackgroundService for Cores {
+    async fn start(&self, shutdown: ShutdownWatch) {
+        let ready = std::mem::take(&mut *self.ready.lock());
+        for (core, (runtime, listener)) in ready.into_iter().enumerate() {
+            let (edge, tls, shutdown) = (self.edge.clone(), self.tls.clone(), shutdown.clone());
+            let started = std::thread::Builder::new().name(format!("proxy-core-{core}")).spawn(move || {
                 CORE.with(|c| c.set(Some(core)));
                 runtime.block_on(async move {
                     accept_loop(listener, edge, tls, shutdown).await;
@@ -90,10 +99,14 @@ pub fn start(
                     // the process exits (the drain decides when).
                     std::future::pending::<()>().await
                 })
-            })
-            .map_err(|e| anyhow::anyhow!("core {core}: starting its thread: {e}"))?;
+            });
+            if let Err(e) = started {
+                // Nothing else can serve the API listener: better no gateway than one short of cores.
+                tracing::error!(core, error = %e, "cannot start a core thread; exiting");
+                std::process::exit(1);
+            }
+        }
     }
-    Ok(())
 }
 
 /// Accept until shutdown, serving each connection in a task of this core's runtime.
@@ -163,18 +176,5 @@ async fn serve(
     let mut next = edge.process_new(stream, shutdown).await;
     while let Some(stream) = next {
         next = edge.process_new(stream, shutdown).await;
-    }
-}
-
-/// Passes pingora's shutdown broadcast (set when the drain closes the listeners) to the
-/// cores, which start before pingora does and so cannot be handed its watch directly.
-pub struct ShutdownBridge(pub watch::Sender<bool>);
-
-#[async_trait]
-impl BackgroundService for ShutdownBridge {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        if shutdown.wait_for(|&down| down).await.is_ok() {
-            let _ = self.0.send(true);
-        }
     }
 }

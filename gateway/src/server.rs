@@ -156,10 +156,9 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
             }
             server.add_service(PreBound { inner: proxy, sockets: vec![(api_addr, api_socket)] });
         } else {
-            let (tx, shutdown) = tokio::sync::watch::channel(false);
             let acceptor = tls_settings()?.map(|settings| std::sync::Arc::new(settings.build()));
-            cores::start(api_socket, threads, std::sync::Arc::new(edge), acceptor, shutdown)?;
-            server.add_service(background_service("cores-shutdown", cores::ShutdownBridge(tx)));
+            let cores = cores::Cores::new(api_socket, threads, std::sync::Arc::new(edge), acceptor)?;
+            server.add_service(background_service("switchyard-proxy", cores));
         }
     }
     let mut admin = Service::new("switchyard-admin".into(), admin::AdminApp::new(state.clone()));

@@ -68,7 +68,7 @@ curl -fs -o /dev/null "http://127.0.0.1:$GW_PORT/-/ready" || { echo "setup error
 callgrind_control -z "$GW" >/dev/null
 $B/switchyard-loadtest run --endpoint completions --target "gateway=http://127.0.0.1:$GW_PORT" \
   --input-len 16 --output-len 16 --concurrency 8 --requests "$N" --prewarm-connections 8 \
-  --out "$W/loadtest" 2>&1 | grep "req/s"
+  --out "$W/loadtest" 2>&1 | tee "$W/loadtest.log" | grep "req/s"
 kill -INT "$GW"
 wait "$GW" 2>/dev/null || true
 total=$(callgrind_annotate "$W/callgrind.out" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}' || true)
