@@ -2,10 +2,13 @@
 //! false`, the default): NGINX's worker model inside one process.
 //!
 //! Each core thread accepts on the same listening socket (its own `dup` of it, registered
-//! with its own epoll), so the next connection goes to whichever core gets to `accept`
-//! first — an idle core takes it. A connection is served start to end on the core that
-//! accepted it, and the engine connections its requests open are kept in that core's idle
-//! pool ([`crate::pool::Pools`]), registered with that core's reactor. No task moves between
+//! with its own epoll) and serves a new connection itself when no core has fewer open —
+//! otherwise it hands the socket to the core with fewest ([`least_loaded`]; Envoy's
+//! `exact_balance`), which registers it with its own reactor. Left to the race for `accept`,
+//! a few long-lived connections (a load balancer's keep-alive pool) could all land on one
+//! core. A connection is then served start to end on its core, and the engine connections
+//! its requests open are kept in that core's idle pool ([`crate::pool::Pools`]), registered
+//! with that core's reactor. No task moves between
 //! threads and no wake-up crosses cores: under pingora's work-stealing runtime a socket's
 //! readiness could wake a task on the other thread (a `futex` to unpark it, ~0.6 per request)
 //! and a connection's memory moved between the cores' caches with it. pingora's own
@@ -32,6 +35,8 @@ use pingora::protocols::l4::stream::Stream as TcpStream;
 use pingora::protocols::{GetSocketDigest, SocketDigest, Stream};
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
+use prometheus::{IntGauge, IntGaugeVec};
+use tokio::sync::mpsc;
 
 use crate::connection::Edge;
 
@@ -52,11 +57,41 @@ pub fn current() -> Option<usize> {
     CORE.with(Cell::get)
 }
 
+/// An accepted connection on its way to the core that will serve it.
+type Accepted = (std::net::TcpStream, SocketAddr);
+
+/// What every core reads to place a new connection, and where it hands one over.
+struct Balance {
+    /// Connections open on each core (`switchyard_core_client_connections`): counted in when
+    /// a core decides where a connection goes, out when it closes.
+    open: Box<[IntGauge]>,
+    /// Each core's inbox of connections handed to it.
+    inboxes: Box<[mpsc::UnboundedSender<Accepted>]>,
+}
+
+/// The core to serve a new connection: one with the fewest open, `me` when it is one of
+/// them (no hand-over), else the first such.
+pub fn least_loaded(open: &[i64], me: usize) -> usize {
+    let fewest = open.iter().copied().min().unwrap_or(0);
+    if open.get(me) == Some(&fewest) {
+        return me;
+    }
+    open.iter().position(|&n| n == fewest).unwrap_or(me)
+}
+
+/// One core, set up and waiting for its thread.
+struct Core {
+    runtime: tokio::runtime::Runtime,
+    listener: tokio::net::TcpListener,
+    inbox: mpsc::UnboundedReceiver<Accepted>,
+}
+
 /// The API listener's cores, set up (runtimes built, the socket registered with each) and
 /// waiting for pingora to start its services: [`BackgroundService::start`] starts their
 /// threads then, beside the scraper and discovery, and hands them pingora's shutdown watch.
 pub struct Cores {
-    ready: Mutex<Vec<(tokio::runtime::Runtime, tokio::net::TcpListener)>>,
+    ready: Mutex<Vec<Core>>,
+    balance: Arc<Balance>,
     edge: Arc<Edge>,
     tls: Option<Arc<Acceptor>>,
 }
@@ -64,9 +99,17 @@ pub struct Cores {
 impl Cores {
     /// `cores` single-threaded runtimes, each with its own `dup` of `socket` registered with
     /// its reactor, serving connections through `edge` (after a TLS handshake by `tls`, when
-    /// given). Fails when a runtime or a socket cannot be set up.
-    pub fn new(socket: TcpListener, cores: usize, edge: Arc<Edge>, tls: Option<Arc<Acceptor>>) -> anyhow::Result<Self> {
+    /// given) and counting them in `open` (a gauge per core). Fails when a runtime or a
+    /// socket cannot be set up.
+    pub fn new(
+        socket: TcpListener,
+        cores: usize,
+        edge: Arc<Edge>,
+        tls: Option<Arc<Acceptor>>,
+        open: &IntGaugeVec,
+    ) -> anyhow::Result<Self> {
         let mut ready = Vec::with_capacity(cores);
+        let mut inboxes = Vec::with_capacity(cores);
         for core in 0..cores {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -79,9 +122,13 @@ impl Cores {
                 tokio::net::TcpListener::from_std(dup)
                     .map_err(|e| anyhow::anyhow!("core {core}: registering the listener: {e}"))?
             };
-            ready.push((runtime, listener));
+            let (tx, inbox) = mpsc::unbounded_channel();
+            inboxes.push(tx);
+            ready.push(Core { runtime, listener, inbox });
         }
-        Ok(Cores { ready: Mutex::new(ready), edge, tls })
+        let open = (0..cores).map(|core| open.with_label_values(&[core.to_string()])).collect();
+        let balance = Arc::new(Balance { open, inboxes: inboxes.into() });
+        Ok(Cores { ready: Mutex::new(ready), balance, edge, tls })
     }
 }
 
@@ -89,54 +136,120 @@ impl Cores {
 impl BackgroundService for Cores {
     async fn start(&self, shutdown: ShutdownWatch) {
         let ready = std::mem::take(&mut *self.ready.lock());
-        for (core, (runtime, listener)) in ready.into_iter().enumerate() {
-            let (edge, tls, shutdown) = (self.edge.clone(), self.tls.clone(), shutdown.clone());
-            let started = std::thread::Builder::new().name(format!("proxy-core-{core}")).spawn(move || {
-                CORE.with(|c| c.set(Some(core)));
-                runtime.block_on(async move {
-                    accept_loop(listener, edge, tls, shutdown).await;
-                    // Connections still open keep running on this runtime until they end or
-                    // the process exits (the drain decides when).
-                    std::future::pending::<()>().await
-                })
+        for (me, core) in ready.into_iter().enumerate() {
+            let serving = Serving { me, balance: self.balance.clone(), edge: self.edge.clone(), tls: self.tls.clone() };
+            let shutdown = shutdown.clone();
+            let started = std::thread::Builder::new().name(format!("proxy-core-{me}")).spawn(move || {
+                CORE.with(|c| c.set(Some(me)));
+                let Core { runtime, listener, inbox } = core;
+                runtime.block_on(serving.run(listener, inbox, shutdown));
             });
             if let Err(e) = started {
                 // Nothing else can serve the API listener: better no gateway than one short of cores.
-                tracing::error!(core, error = %e, "cannot start a core thread; exiting");
+                tracing::error!(core = me, error = %e, "cannot start a core thread; exiting");
                 std::process::exit(1);
             }
         }
     }
 }
 
-/// Accept until shutdown, serving each connection in a task of this core's runtime.
-async fn accept_loop(
-    listener: tokio::net::TcpListener,
+/// What woke a core's loop.
+enum Next {
+    /// A connection it accepted.
+    Accepted(tokio::net::TcpStream, SocketAddr),
+    /// A connection another core accepted and handed over.
+    HandedOver(std::net::TcpStream, SocketAddr),
+}
+
+/// What one core serves with.
+struct Serving {
+    me: usize,
+    balance: Arc<Balance>,
     edge: Arc<Edge>,
     tls: Option<Arc<Acceptor>>,
-    mut shutdown: ShutdownWatch,
-) {
-    loop {
-        let accepted = tokio::select! {
-            biased;
-            _ = shutdown.wait_for(|&down| down) => break,
-            accepted = listener.accept() => accepted,
-        };
-        match accepted {
-            Ok((socket, peer)) => {
-                let (edge, tls, shutdown) = (edge.clone(), tls.clone(), shutdown.clone());
-                tokio::spawn(async move { serve(socket, peer, &edge, tls.as_deref(), &shutdown).await });
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                if e.raw_os_error() == Some(libc::EMFILE) || e.raw_os_error() == Some(libc::ENFILE) {
-                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+}
+
+impl Serving {
+    /// Accept (and take connections handed over) until shutdown; then only take those
+    /// handed over, while the connections still open finish on this runtime until they end
+    /// or the process exits (the drain decides when).
+    async fn run(
+        self,
+        listener: tokio::net::TcpListener,
+        mut inbox: mpsc::UnboundedReceiver<Accepted>,
+        mut shutdown: ShutdownWatch,
+    ) {
+        loop {
+            let accepted = tokio::select! {
+                biased;
+                _ = shutdown.wait_for(|&down| down) => break,
+                Some((socket, peer)) = inbox.recv() => Ok(Next::HandedOver(socket, peer)),
+                accepted = listener.accept() => accepted.map(|(socket, peer)| Next::Accepted(socket, peer)),
+            };
+            match accepted {
+                Ok(Next::Accepted(socket, peer)) => self.place(socket, peer, &shutdown),
+                Ok(Next::HandedOver(socket, peer)) => self.take_over(socket, peer, &shutdown),
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    if e.raw_os_error() == Some(libc::EMFILE) || e.raw_os_error() == Some(libc::ENFILE) {
+                        tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    }
                 }
             }
         }
+        // This core's copy of the listening socket closes; the last copy closed stops the
+        // kernel accepting for the gateway.
+        drop(listener);
+        while let Some((socket, peer)) = inbox.recv().await {
+            self.take_over(socket, peer, &shutdown);
+        }
     }
-    // Dropping the listener closes this core's copy of the socket; the last copy closed
-    // stops the kernel accepting for the gateway.
+
+    /// Serve a connection another core handed over (counted in for this core already).
+    fn take_over(&self, socket: std::net::TcpStream, peer: SocketAddr, shutdown: &ShutdownWatch) {
+        match tokio::net::TcpStream::from_std(socket) {
+            Ok(socket) => self.spawn(socket, peer, shutdown),
+            Err(e) => {
+                self.balance.open[self.me].dec();
+                tracing::warn!(error = %e, "registering a connection handed over failed; closed");
+            }
+        }
+    }
+
+    /// Serve a connection this core accepted here, or hand it to the core with fewest open.
+    fn place(&self, socket: tokio::net::TcpStream, peer: SocketAddr, shutdown: &ShutdownWatch) {
+        let open: Vec<i64> = self.balance.open.iter().map(IntGauge::get).collect();
+        let target = least_loaded(&open, self.me);
+        self.balance.open[target].inc();
+        if target == self.me {
+            return self.spawn(socket, peer, shutdown);
+        }
+        // Out of this core's reactor, into the target's when it picks it up.
+        match socket.into_std() {
+            Ok(socket) => {
+                if let Err(mpsc::error::SendError((socket, peer))) = self.balance.inboxes[target].send((socket, peer)) {
+                    // The target core is gone (its thread ended): serve it here after all.
+                    self.balance.open[target].dec();
+                    self.balance.open[self.me].inc();
+                    self.take_over(socket, peer, shutdown);
+                }
+            }
+            Err(e) => {
+                self.balance.open[target].dec();
+                tracing::debug!(error = %e, "could not hand a connection over; closed");
+            }
+        }
+    }
+
+    /// Serve `socket` in a task of this core's runtime; counted out of this core when it ends.
+    fn spawn(&self, socket: tokio::net::TcpStream, peer: SocketAddr, shutdown: &ShutdownWatch) {
+        let (edge, tls, shutdown) = (self.edge.clone(), self.tls.clone(), shutdown.clone());
+        let open = self.balance.open[self.me].clone();
+        tokio::spawn(async move {
+            serve(socket, peer, &edge, tls.as_deref(), &shutdown).await;
+            open.dec();
+        });
+    }
 }
 
 /// One client connection, from the accepted socket to its last request.
@@ -176,5 +289,20 @@ async fn serve(
     let mut next = edge.process_new(stream, shutdown).await;
     while let Some(stream) = next {
         next = edge.process_new(stream, shutdown).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::least_loaded;
+
+    #[test]
+    fn a_new_connection_goes_to_the_core_with_fewest_and_stays_where_it_was_accepted_on_a_tie() {
+        assert_eq!(least_loaded(&[3, 1, 2], 0), 1);
+        assert_eq!(least_loaded(&[3, 1, 1], 2), 2, "a tie with the accepting core keeps it there");
+        assert_eq!(least_loaded(&[3, 1, 1], 0), 1, "else the first of the fewest");
+        assert_eq!(least_loaded(&[0, 0], 1), 1);
+        assert_eq!(least_loaded(&[5], 0), 0);
+        assert_eq!(least_loaded(&[], 0), 0, "no cores: nowhere else to go");
     }
 }

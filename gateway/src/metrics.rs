@@ -52,6 +52,8 @@ pub struct GatewayMetrics {
     pub header_timeouts: IntCounter,
     /// Client connections open on the API listener.
     pub client_connections: IntGauge,
+    /// Client connections open on each core (`work_stealing: false`).
+    pub core_connections: IntGaugeVec,
     /// Connections closed at accept because `limits.max_connections` were open.
     pub connections_refused: IntCounter,
     /// Connections closed after `limits.idle_connection_timeout_ms` with no request.
@@ -168,6 +170,13 @@ impl GatewayMetrics {
                 "switchyard_client_connections",
                 "Client connections open on the API listener (limits.max_connections caps it).",
             )?,
+            core_connections: IntGaugeVec::new(
+                Opts::new(
+                    "switchyard_core_client_connections",
+                    "Client connections served by each core (work_stealing: false; a new one goes to the core with fewest).",
+                ),
+                &["core"],
+            )?,
             connections_refused: IntCounter::new(
                 "switchyard_connections_refused_total",
                 "Client connections closed at accept because limits.max_connections were open.",
@@ -238,6 +247,7 @@ impl GatewayMetrics {
         m.registry.register(Box::new(m.rejected.clone()))?;
         m.registry.register(Box::new(m.header_timeouts.clone()))?;
         m.registry.register(Box::new(m.client_connections.clone()))?;
+        m.registry.register(Box::new(m.core_connections.clone()))?;
         m.registry.register(Box::new(m.connections_refused.clone()))?;
         m.registry.register(Box::new(m.idle_connections_closed.clone()))?;
         m.registry.register(Box::new(m.epp_protocol_errors.clone()))?;

@@ -157,7 +157,8 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
             server.add_service(PreBound { inner: proxy, sockets: vec![(api_addr, api_socket)] });
         } else {
             let acceptor = tls_settings()?.map(|settings| std::sync::Arc::new(settings.build()));
-            let cores = cores::Cores::new(api_socket, threads, std::sync::Arc::new(edge), acceptor)?;
+            let open = &state.metrics.core_connections;
+            let cores = cores::Cores::new(api_socket, threads, std::sync::Arc::new(edge), acceptor, open)?;
             server.add_service(background_service("switchyard-proxy", cores));
         }
     }

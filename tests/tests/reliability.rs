@@ -373,3 +373,31 @@ async fn both_thread_models_serve_keep_alive_clients_on_reused_engine_connection
         assert!(opened <= 12, "work_stealing: {work_stealing}: {opened} engine connections for 100 requests");
     }
 }
+
+/// With one runtime per core, each new connection goes to the core serving fewest, so a
+/// load balancer's few long-lived connections are spread over the cores rather than left to
+/// whichever core won the race for `accept` — and a core's count drops when one closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_connections_go_to_the_core_serving_fewest() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let g = GatewayProc::start(&config(&[engine.url()]).threads(2));
+    wait_scraped(&g, 1).await;
+    let per_core = async || {
+        let m = scrape(g.admin).await;
+        ["0", "1"].map(|core| metric_where(&m, "switchyard_core_client_connections", "core", core))
+    };
+    // Each connection is open and has been answered before the next one connects.
+    let mut open = Vec::new();
+    for _ in 0..6 {
+        let mut s = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+        s.write_all(b"GET /-/healthz HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        let mut buf = [0u8; 256];
+        assert!(s.read(&mut buf).await.unwrap() > 0);
+        open.push(s);
+    }
+    assert_eq!(per_core().await, [3.0, 3.0], "six connections over two cores");
+    open.truncate(4);
+    eventually("two closed connections counted out", async || per_core().await.iter().sum::<f64>() == 4.0).await;
+}
+
