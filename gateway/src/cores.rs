@@ -52,7 +52,7 @@ thread_local! {
     static CORE: Cell<Option<usize>> = const { Cell::new(None) };
 }
 
-/// The core the calling thread serves, if it is one of [`start`]'s threads.
+/// The core the calling thread serves, if it is one of [`Cores`]' threads.
 pub fn current() -> Option<usize> {
     CORE.with(Cell::get)
 }
@@ -153,6 +153,16 @@ impl BackgroundService for Cores {
     }
 }
 
+/// Counts a connection out of its core when dropped, however its task ends (a count left
+/// behind would steer new connections away from that core for good).
+struct CountedOut(IntGauge);
+
+impl Drop for CountedOut {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// What woke a core's loop.
 enum Next {
     /// A connection it accepted.
@@ -244,10 +254,10 @@ impl Serving {
     /// Serve `socket` in a task of this core's runtime; counted out of this core when it ends.
     fn spawn(&self, socket: tokio::net::TcpStream, peer: SocketAddr, shutdown: &ShutdownWatch) {
         let (edge, tls, shutdown) = (self.edge.clone(), self.tls.clone(), shutdown.clone());
-        let open = self.balance.open[self.me].clone();
+        let counted = CountedOut(self.balance.open[self.me].clone());
         tokio::spawn(async move {
             serve(socket, peer, &edge, tls.as_deref(), &shutdown).await;
-            open.dec();
+            drop(counted);
         });
     }
 }

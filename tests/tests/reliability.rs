@@ -400,4 +400,3 @@ async fn new_connections_go_to_the_core_serving_fewest() {
     open.truncate(4);
     eventually("two closed connections counted out", async || per_core().await.iter().sum::<f64>() == 4.0).await;
 }
-
