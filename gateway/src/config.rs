@@ -1032,6 +1032,16 @@ impl GatewayConfig {
         }
     }
 
+    /// The threads of [`crate::cores`] serving the API listener: [`Self::worker_threads`]
+    /// with one runtime per core, none under pingora's work-stealing runtime.
+    pub fn core_threads(&self) -> usize {
+        if self.work_stealing {
+            0
+        } else {
+            self.worker_threads()
+        }
+    }
+
     /// Read, parse and validate a YAML file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path)

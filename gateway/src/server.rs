@@ -101,6 +101,7 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     let metrics = metrics::GatewayMetrics::new(registry)?;
     let threads = config.worker_threads();
     let work_stealing = config.work_stealing;
+    let cores = config.core_threads();
     let conf = ServerConf {
         threads,
         // pingora's own runtimes (the admin listener, background services; the API
@@ -158,8 +159,8 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
         } else {
             let acceptor = tls_settings()?.map(|settings| std::sync::Arc::new(settings.build()));
             let open = &state.metrics.core_connections;
-            let cores = cores::Cores::new(api_socket, threads, std::sync::Arc::new(edge), acceptor, open)?;
-            server.add_service(background_service("switchyard-proxy", cores));
+            let serving = cores::Cores::new(api_socket, cores, std::sync::Arc::new(edge), acceptor, open)?;
+            server.add_service(background_service("switchyard-proxy", serving));
         }
     }
     let mut admin = Service::new("switchyard-admin".into(), admin::AdminApp::new(state.clone()));

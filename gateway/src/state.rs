@@ -132,8 +132,7 @@ impl GatewayState {
             config.auth.shared_limits.clone().map(|c| crate::shared_limits::SharedLimits::new(c, metrics.clone()));
         let r = &config.retries;
         let retry_budget = RetryBudget::new(r.budget_percent, r.min_retries_per_second, std::time::Instant::now());
-        // Core threads serve the API listener unless one work-stealing runtime does.
-        let cores = if config.work_stealing { 0 } else { config.worker_threads() };
+        let cores = config.core_threads();
         Arc::new(GatewayState {
             prefix,
             active: Arc::new(ArcSwap::from_pointee(Active::new(config, cluster, auth))),
