@@ -83,7 +83,7 @@ out["cos_cat_kitten"], out["cos_cat_carburetor"] = cos(e[0], e[1]), cos(e[0], e[
 out["n2"] = len(client.chat.completions.create(model=model, max_tokens=4, n=2, messages=ask).choices)
 
 r = client.responses.create(model=model, input="Name a city in France.", instructions="Answer in one word.",
-                           max_output_tokens=16)
+                           max_output_tokens=16, temperature=0)
 out["responses_text"] = r.output_text
 out["responses_status"] = r.status
 r = client.responses.create(model=model, input="A person in Tokyo, as JSON.", max_output_tokens=200,
@@ -91,7 +91,8 @@ r = client.responses.create(model=model, input="A person in Tokyo, as JSON.", ma
 jsonschema.validate(json.loads(r.output_text), person)
 out["responses_schema_valid"] = True
 deltas, final = "", None
-for ev in client.responses.create(model=model, input="Say hello.", max_output_tokens=16, stream=True):
+for ev in client.responses.create(model=model, input="Say hello.", max_output_tokens=16, stream=True,
+                                 temperature=0):
     if ev.type == "response.output_text.delta":
         deltas += ev.delta
     elif ev.type in ("response.completed", "response.incomplete"):

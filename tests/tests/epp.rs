@@ -231,13 +231,18 @@ async fn an_alias_through_envoy_reaches_its_target_and_comes_back_named() {
     let g = GatewayProc::start(&picker(engines.iter().map(|e| e.url())).section("models", &alias));
     wait_scraped(&g, 1).await;
     let envoy = EnvoyProc::start(g.epp.unwrap(), false);
-    let r = post(envoy.addr, "/v1/completions", &json!({"model": "short", "prompt": "hello", "max_tokens": 3})).await;
+    let r = post(
+        envoy.addr,
+        "/v1/completions",
+        &json!({"model": "short", "prompt": "hello", "max_tokens": 3, "ignore_eos": true}),
+    )
+    .await;
     assert_eq!(r.status, 200, "{}", g.log());
     let v = r.json().await;
     assert_eq!(v["model"], "short", "{v}");
     assert_eq!(v["usage"]["completion_tokens"], 3);
-    let body =
-        json!({"model": "short", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": true});
+    let body = json!({"model": "short", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": true,
+               "ignore_eos": true});
     let mut r = post(envoy.addr, "/v1/chat/completions", &body).await;
     assert_eq!(r.status, 200);
     let mut events = 0;
