@@ -91,6 +91,7 @@ struct Core {
 /// threads then, beside the scraper and discovery, and hands them pingora's shutdown watch.
 pub struct Cores {
     ready: Mutex<Vec<Core>>,
+    handles: Vec<tokio::runtime::Handle>,
     balance: Arc<Balance>,
     edge: Arc<Edge>,
     tls: Option<Arc<Acceptor>>,
@@ -126,9 +127,16 @@ impl Cores {
             inboxes.push(tx);
             ready.push(Core { runtime, listener, inbox });
         }
+        let handles = ready.iter().map(|core| core.runtime.handle().clone()).collect();
         let open = (0..cores).map(|core| open.with_label_values(&[core.to_string()])).collect();
         let balance = Arc::new(Balance { open, inboxes: inboxes.into() });
-        Ok(Cores { ready: Mutex::new(ready), balance, edge, tls })
+        Ok(Cores { ready: Mutex::new(ready), handles, balance, edge, tls })
+    }
+
+    /// The cores' runtimes, for other work that belongs on them (the KV-event streams): a
+    /// task spawned there runs once the core's thread has started, between connections.
+    pub fn runtimes(&self) -> Vec<tokio::runtime::Handle> {
+        self.handles.clone()
     }
 }
 

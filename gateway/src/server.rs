@@ -137,6 +137,8 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     server.bootstrap();
     let app = std::sync::Arc::new(proxy::ProxyApp::new(state.clone()));
     let api_addr = api.as_ref().map(|(_, addr)| *addr);
+    // The cores' runtimes (`work_stealing: false`), where the KV-event streams are followed.
+    let mut core_runtimes = Vec::new();
     if let Some((api_socket, api_addr)) = api {
         let edge = connection::Edge::new(app.clone(), state.clone());
         let tls_settings = || -> anyhow::Result<Option<pingora::listeners::tls::TlsSettings>> {
@@ -160,6 +162,7 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
             let acceptor = tls_settings()?.map(|settings| std::sync::Arc::new(settings.build()));
             let open = &state.metrics.core_connections;
             let serving = cores::Cores::new(api_socket, cores, std::sync::Arc::new(edge), acceptor, open)?;
+            core_runtimes = serving.runtimes();
             server.add_service(background_service("switchyard-proxy", serving));
         }
     }
@@ -192,7 +195,8 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     }
     if let Some(shared) = state.kv_events.clone() {
         let service =
-            crate::kv_events::subscriber::KvEventsService::new(state.active.clone(), shared, state.metrics.clone());
+            crate::kv_events::subscriber::KvEventsService::new(state.active.clone(), shared, state.metrics.clone())
+                .on_runtimes(core_runtimes);
         server.add_service(background_service("kv-events", service));
     }
     let drain = {

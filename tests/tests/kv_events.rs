@@ -403,8 +403,10 @@ async fn until_every_stream_is_live(engines: &[(EngineProc, String, String)], ga
 async fn replicas_route_each_prefix_group_to_the_engine_that_holds_it() {
     let engines = publishing_engines(6);
     let tokenizer = switchyard_engine::model::default_model_path();
-    let replica = |precise: bool| {
-        let mut c = GatewayConfigBuilder::new().policy("cost");
+    // Half the replicas follow the streams on their cores (the default), half on a thread of
+    // their own (`work_stealing: true`): the same events, the same index either way.
+    let replica = |precise: bool, i: usize| {
+        let mut c = GatewayConfigBuilder::new().policy("cost").section("work_stealing", &(i % 2 == 1).to_string());
         for (e, p, r) in &engines {
             c = c.backend_with_kv_events(&e.url(), p, Some(r));
         }
@@ -414,7 +416,7 @@ async fn replicas_route_each_prefix_group_to_the_engine_that_holds_it() {
         };
         GatewayProc::start(&c.section("kv_events", &kv))
     };
-    let precise: Vec<GatewayProc> = (0..4).map(|_| replica(true)).collect();
+    let precise: Vec<GatewayProc> = (0..4).map(|i| replica(true, i)).collect();
     for g in &precise {
         wait_scraped(g, 6).await;
     }
@@ -424,7 +426,7 @@ async fn replicas_route_each_prefix_group_to_the_engine_that_holds_it() {
     assert!(share >= 0.99, "precise: {:.0}% of requests went to their group's engine", share * 100.0);
     drop(precise);
 
-    let approximate: Vec<GatewayProc> = (0..4).map(|_| replica(false)).collect();
+    let approximate: Vec<GatewayProc> = (0..4).map(|i| replica(false, i)).collect();
     for g in &approximate {
         wait_scraped(g, 6).await;
     }

@@ -22,7 +22,11 @@
 //! `gateway/tests/kv_index_memory.rs` with a counting allocator) and bounded: past
 //! `max_bytes` the least recently stored or matched blocks go first.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+// Keyed with a per-process seed, a few instructions per lookup where SipHash takes ~140: the
+// keys are hashes already, and the subscriber looks up several per event.
+use foldhash::{HashMap, HashMapExt};
 
 use super::wire::{Event, EventBatch};
 

@@ -147,12 +147,26 @@ pub struct KvEventsService {
     active: Arc<ArcSwap<Active>>,
     shared: Arc<KvEventsShared>,
     metrics: GatewayMetrics,
+    runtimes: Vec<tokio::runtime::Handle>,
 }
 
 impl KvEventsService {
     /// Subscribe to the engines `active` lists, feeding `shared`, counting in `metrics`.
     pub fn new(active: Arc<ArcSwap<Active>>, shared: Arc<KvEventsShared>, metrics: GatewayMetrics) -> Self {
-        KvEventsService { active, shared, metrics }
+        KvEventsService { active, shared, metrics, runtimes: Vec::new() }
+    }
+
+    /// Follow the engines' streams on `runtimes` (the cores serving the API listener), spread
+    /// by engine, instead of on this service's own thread (the default, `runtimes` empty).
+    ///
+    /// An engine publishes a batch per scheduler step. On a thread of its own each batch
+    /// wakes that thread: with `--sim-profile instant` (a step per request) the subscriber
+    /// then cost 8.8 µs per request, half of it in the kernel switching to it and back. On a
+    /// busy core the stream's readiness comes back from the same `epoll_wait` as the
+    /// connections', and the core reads it between them.
+    pub fn on_runtimes(mut self, runtimes: Vec<tokio::runtime::Handle>) -> Self {
+        self.runtimes = runtimes;
+        self
     }
 
     /// Each backend's (PUB, replay) endpoints and URL, by backend key.
@@ -223,7 +237,11 @@ impl BackgroundService for KvEventsService {
                     slot
                 };
                 let counters = Counters { metrics: self.metrics.clone(), backend: endpoints.2.clone() };
-                let task = tokio::spawn(subscribe(self.shared.clone(), key, slot, endpoints.clone(), counters));
+                let follow = subscribe(self.shared.clone(), key, slot, endpoints.clone(), counters);
+                let task = match self.runtimes.get(usize::from(slot) % self.runtimes.len().max(1)) {
+                    Some(core) => core.spawn(follow),
+                    None => tokio::spawn(follow),
+                };
                 tasks.insert(key, (endpoints, task));
             }
             tokio::select! {
@@ -256,6 +274,7 @@ async fn subscribe(
 ) {
     let (pub_endpoint, replay_endpoint, _) = endpoints;
     let gaps = |outcome: &str| counters.metrics.kv_event_gaps.with_label_values(&[counters.backend.as_str(), outcome]);
+    let received = counters.metrics.kv_event_batches.with_label_values(&[counters.backend.as_str()]);
     let mut sub = zeromq::SubSocket::new();
     // ZMQ reconnects by itself once connected; the first connect may find nobody listening.
     loop {
@@ -293,10 +312,8 @@ async fn subscribe(
             stream_mut(&shared, key, |s| s.undecodable += 1);
             continue;
         };
-        stream_mut(&shared, key, |s| s.receiving = true);
         let applied = shared.index.lock().apply(slot, seq, &batch);
         if let Applied::Gap { missing } = applied {
-            stream_mut(&shared, key, |s| s.gaps += 1);
             let replayed = match &replay_endpoint {
                 Some(r) => tokio::time::timeout(REPLAY_TIMEOUT, replay(r, missing.start)).await.ok().flatten(),
                 None => None,
@@ -311,7 +328,6 @@ async fn subscribe(
                 matches!(index.apply(slot, seq, &batch), Applied::InOrder)
             });
             if closed {
-                stream_mut(&shared, key, |s| s.replayed += 1);
                 gaps("replayed").inc();
             } else {
                 gaps("forgotten").inc();
@@ -319,9 +335,17 @@ async fn subscribe(
                 index.forget_engine(slot);
                 index.apply(slot, seq, &batch);
             }
+            stream_mut(&shared, key, |s| {
+                s.gaps += 1;
+                s.replayed += u64::from(closed);
+            });
         }
-        stream_mut(&shared, key, |s| s.batches += 1);
-        counters.metrics.kv_event_batches.with_label_values(&[counters.backend.as_str()]).inc();
+        // Receiving from now on: the index holds this engine's blocks, and requests consult it.
+        stream_mut(&shared, key, |s| {
+            s.receiving = true;
+            s.batches += 1;
+        });
+        received.inc();
     }
 }
 

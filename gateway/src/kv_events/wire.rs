@@ -21,6 +21,8 @@
 pub const MAX_PAYLOAD_BYTES: usize = 4 * 1024 * 1024;
 /// Deepest nesting accepted (a batch is 4 levels deep; extra keys a few more).
 const MAX_DEPTH: usize = 16;
+// The batch, its event list, an event and a list in it are walked by structure, each a level.
+const _: () = assert!(MAX_DEPTH > 4);
 
 /// One scheduler step's events.
 #[derive(Debug, Clone, PartialEq)]
@@ -82,16 +84,21 @@ fn shape(what: impl Into<String>) -> DecodeError {
 
 /// Decode one payload (its first msgpack value; bytes after it are ignored).
 ///
-/// The value is checked whole first (well-formed, at most [`MAX_DEPTH`] deep), then read
-/// once in place: the fields routing needs are decoded from their bytes, everything else is
+/// Read once, in place: the containers of the batch, its event list and each event are
+/// walked by structure, and every other value is checked whole as it is passed (well-formed,
+/// nested at most [`MAX_DEPTH`] deep counting from the batch) — so a payload that is not
+/// msgpack anywhere is a [`DecodeError::Msgpack`], as if checked first, and no value is
+/// walked twice. The fields routing needs are decoded from their bytes, everything else is
 /// skipped, no document tree is built (a tree of `rmpv::Value`s cost 12k instructions per
-/// proxied request with `kv_events` on, this 8k: `loadtest/bench/profile_gateway.sh`).
+/// proxied request with `kv_events` on, a check-then-read of the same bytes 8k:
+/// `loadtest/bench/profile_gateway.sh`).
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     if payload.len() > MAX_PAYLOAD_BYTES {
         return Err(DecodeError::TooLarge(payload.len()));
     }
-    let value = Cursor::new(payload).value(MAX_DEPTH).map_err(DecodeError::Msgpack)?;
-    let mut c = Cursor::new(value);
+    let mut c = Cursor::new(payload);
+    // The depth left for the batch's own values: the batch is one level.
+    let d = MAX_DEPTH - 1;
     // Each field's value as it was read; the events already decoded, or why they are not.
     let mut ts: Option<&[u8]> = None;
     let mut events: Option<Result<Vec<Event>, DecodeError>> = None;
@@ -99,26 +106,28 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     if let Some(n) = c.array_len() {
         for i in 0..n {
             match i {
-                0 => ts = Some(c.checked()?),
-                1 => events = Some(decode_events(&mut c)?),
-                2 => rank = Some(c.checked()?),
+                0 => ts = Some(c.checked(d)?),
+                1 => events = Some(decode_events(&mut c, d)?),
+                2 => rank = Some(c.checked(d)?),
                 _ => {
-                    c.checked()?;
+                    c.checked(d)?;
                 }
             }
         }
     } else if let Some(n) = c.map_len() {
         for _ in 0..n {
-            match as_str(c.checked()?) {
-                Some("ts") if ts.is_none() => ts = Some(c.checked()?),
-                Some("events") if events.is_none() => events = Some(decode_events(&mut c)?),
-                Some("data_parallel_rank") if rank.is_none() => rank = Some(c.checked()?),
+            match as_str(c.checked(d)?) {
+                Some("ts") if ts.is_none() => ts = Some(c.checked(d)?),
+                Some("events") if events.is_none() => events = Some(decode_events(&mut c, d)?),
+                Some("data_parallel_rank") if rank.is_none() => rank = Some(c.checked(d)?),
                 _ => {
-                    c.checked()?;
+                    c.checked(d)?;
                 }
             }
         }
     } else {
+        // Msgpack first: a payload that is not msgpack says so.
+        c.checked(MAX_DEPTH)?;
         return Err(shape("the batch is neither an array nor a map"));
     }
     let ts = ts.and_then(number).ok_or_else(|| shape("no timestamp"))?;
@@ -131,21 +140,22 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     Ok(EventBatch { ts, events, data_parallel_rank })
 }
 
-/// The event list at `c` (consumed): the known events, or why the list is not one.
-fn decode_events(c: &mut Cursor<'_>) -> Result<Result<Vec<Event>, DecodeError>, DecodeError> {
+/// The event list at `c` (consumed), a value with `depth` levels left: the known events, or
+/// why the list is not one.
+fn decode_events(c: &mut Cursor<'_>, depth: usize) -> Result<Result<Vec<Event>, DecodeError>, DecodeError> {
     let Some(n) = c.array_len() else {
-        c.checked()?;
+        c.checked(depth)?;
         return Ok(Err(shape("no event list")));
     };
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
-        match decode_event(c)? {
+        match decode_event(c, depth - 1)? {
             Ok(Some(event)) => out.push(event),
             Ok(None) => {}
             Err(err) => {
                 // The rest of the list is read past: a later error names its own event.
                 for _ in i + 1..n {
-                    c.checked()?;
+                    c.checked(depth - 1)?;
                 }
                 return Ok(Err(shape(format!("event {i}: {err}"))));
             }
@@ -174,18 +184,18 @@ struct Fields<'a> {
 }
 
 impl<'a> Fields<'a> {
-    /// Read the value of field `name` at `c` (consumed).
-    fn read(&mut self, name: &str, c: &mut Cursor<'a>) -> Result<(), DecodeError> {
+    /// Read the value of field `name` at `c` (consumed), a value with `depth` levels left.
+    fn read(&mut self, name: &str, c: &mut Cursor<'a>, depth: usize) -> Result<(), DecodeError> {
         match name {
             "block_hashes" if self.block_hashes.is_none() => {
-                self.block_hashes = Some(read_list(c, hash, || NO_HASHES.to_string())?);
+                self.block_hashes = Some(read_list(c, depth, hash, || NO_HASHES.to_string())?);
             }
             "token_ids" if self.token_ids.is_none() => {
                 let token = |v: &[u8]| as_u64(v).and_then(|t| u32::try_from(t).ok()).ok_or("a token id is not a u32");
-                self.token_ids = Some(read_list(c, token, || NO_TOKENS)?);
+                self.token_ids = Some(read_list(c, depth, token, || NO_TOKENS)?);
             }
             _ => {
-                let v = c.checked()?;
+                let v = c.checked(depth)?;
                 let slot = match name {
                     "type" => &mut self.tag,
                     "parent_block_hash" => &mut self.parent_block_hash,
@@ -205,21 +215,22 @@ impl<'a> Fields<'a> {
 const NO_HASHES: &str = "no block_hashes";
 const NO_TOKENS: &str = "BlockStored without token_ids";
 
-/// The list at `c` (consumed), each item through `item` (the first error kept);
-/// `not_a_list()` when it is not one.
+/// The list at `c` (consumed), a value with `depth` levels left, each item through `item`
+/// (the first error kept); `not_a_list()` when it is not one.
 fn read_list<T, E>(
     c: &mut Cursor<'_>,
+    depth: usize,
     item: impl Fn(&[u8]) -> Result<T, E>,
     not_a_list: impl FnOnce() -> E,
 ) -> Result<Result<Vec<T>, E>, DecodeError> {
     let Some(n) = c.array_len() else {
-        c.checked()?;
+        c.checked(depth)?;
         return Ok(Err(not_a_list()));
     };
     let mut out = Vec::with_capacity(n);
     let mut failed = None;
     for _ in 0..n {
-        let v = c.checked()?;
+        let v = c.checked(depth - 1)?;
         if failed.is_none() {
             match item(v) {
                 Ok(t) => out.push(t),
@@ -230,16 +241,18 @@ fn read_list<T, E>(
     Ok(failed.map_or(Ok(out), Err))
 }
 
-/// The event at `c` (consumed); `Ok(None)` for a type this gateway does not know.
-fn decode_event(c: &mut Cursor<'_>) -> Result<Result<Option<Event>, String>, DecodeError> {
+/// The event at `c` (consumed), a value with `depth` levels left; `Ok(None)` for a type
+/// this gateway does not know.
+fn decode_event(c: &mut Cursor<'_>, depth: usize) -> Result<Result<Option<Event>, String>, DecodeError> {
     let mut f = Fields::default();
+    let d = depth - 1;
     let tag = if let Some(n) = c.map_len() {
         for _ in 0..n {
-            let key = c.checked()?;
+            let key = c.checked(d)?;
             match as_str(key) {
-                Some(name) => f.read(name, c)?,
+                Some(name) => f.read(name, c, d)?,
                 None => {
-                    c.checked()?;
+                    c.checked(d)?;
                 }
             }
         }
@@ -248,7 +261,7 @@ fn decode_event(c: &mut Cursor<'_>) -> Result<Result<Option<Event>, String>, Dec
             None => return Ok(Err("a map event without a \"type\"".into())),
         }
     } else if let Some(n) = c.array_len() {
-        let tag = if n > 0 { as_str(c.checked()?) } else { None };
+        let tag = if n > 0 { as_str(c.checked(d)?) } else { None };
         let names: &[&str] = match tag {
             Some("BlockStored") => &STORED_FIELDS,
             Some("BlockRemoved") => &REMOVED_FIELDS,
@@ -256,9 +269,9 @@ fn decode_event(c: &mut Cursor<'_>) -> Result<Result<Option<Event>, String>, Dec
         };
         for i in 1..n {
             match names.get(i - 1) {
-                Some(name) => f.read(name, c)?,
+                Some(name) => f.read(name, c, d)?,
                 None => {
-                    c.checked()?;
+                    c.checked(d)?;
                 }
             }
         }
@@ -267,7 +280,7 @@ fn decode_event(c: &mut Cursor<'_>) -> Result<Result<Option<Event>, String>, Dec
             None => return Ok(Err("an array event without a tag".into())),
         }
     } else {
-        c.checked()?;
+        c.checked(depth)?;
         return Ok(Err("an event is neither a map nor an array".into()));
     };
     Ok(event_of(tag, f))
@@ -396,9 +409,9 @@ impl<'a> Cursor<'a> {
         Ok(&self.buf[start..self.at])
     }
 
-    /// The next value of the checked bytes (an error only if they were not checked).
-    fn checked(&mut self) -> Result<&'a [u8], DecodeError> {
-        self.value(MAX_DEPTH).map_err(DecodeError::Msgpack)
+    /// The bytes of the next value, checked whole with `depth` levels of nesting left.
+    fn checked(&mut self, depth: usize) -> Result<&'a [u8], DecodeError> {
+        self.value(depth).map_err(DecodeError::Msgpack)
     }
 
     /// The item count of the array at the cursor, its header consumed; `None` (nothing
@@ -639,5 +652,67 @@ mod tests {
         payload.push(0x00);
         let got = decode_batch(&payload).unwrap();
         assert_eq!(got.events, vec![Event::BlockRemoved { block_hashes: vec![7], medium: Some("GPU".into()) }]);
+    }
+
+    /// Read in one walk, a payload is a msgpack error exactly when checking it whole first
+    /// (at most [`MAX_DEPTH`] deep) fails, and otherwise decodes as it did after that check:
+    /// over the fixtures cut, spliced and with bytes changed, and with an unknown field nested
+    /// up to and past the limit.
+    #[test]
+    fn one_walk_refuses_what_a_whole_check_refuses() {
+        use rand::{Rng, SeedableRng};
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/kv_events");
+        let fixtures: Vec<Vec<u8>> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "msgpack"))
+            .map(|p| std::fs::read(p).unwrap())
+            .collect();
+        let agree = |p: &[u8]| {
+            let whole = Cursor::new(p).value(MAX_DEPTH);
+            let got = decode_batch(p);
+            match whole {
+                Err(_) => assert!(matches!(got, Err(DecodeError::Msgpack(_))), "{p:02x?}: {got:?}"),
+                Ok(_) => assert!(!matches!(got, Err(DecodeError::Msgpack(_))), "{p:02x?}: {got:?}"),
+            }
+            got.is_ok()
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let (mut ok, mut refused) = (0, 0);
+        for _ in 0..20_000 {
+            let mut p = fixtures[rng.random_range(0..fixtures.len())].clone();
+            match rng.random_range(0..3) {
+                0 => p.truncate(rng.random_range(0..p.len())),
+                1 => {
+                    let at = rng.random_range(0..p.len());
+                    p[at] = rng.random();
+                }
+                _ => {
+                    let other = &fixtures[rng.random_range(0..fixtures.len())];
+                    let at = rng.random_range(0..p.len());
+                    p.splice(at.., other[rng.random_range(0..other.len())..].iter().copied());
+                }
+            }
+            if agree(&p) {
+                ok += 1;
+            } else {
+                refused += 1;
+            }
+        }
+        assert!(ok > 1_000 && refused > 1_000, "{ok} decoded, {refused} refused");
+        // [ts, [ {type: BlockRemoved, block_hashes: [1], x: [[…nil…]]} ], 0] with `x` k deep:
+        // the batch, its list and the event take 3 levels of the 16.
+        for k in 10..=16 {
+            let mut p = vec![0x93, 0x01, 0x91, 0x83];
+            for (key, v) in [(&b"type"[..], &b"\xacBlockRemoved"[..]), (b"block_hashes", b"\x91\x01")] {
+                p.push(0xa0 | key.len() as u8);
+                p.extend_from_slice(key);
+                p.extend_from_slice(v);
+            }
+            p.extend_from_slice(b"\xa1x");
+            p.extend(std::iter::repeat_n(0x91, k));
+            p.extend_from_slice(&[0xc0, 0x00]);
+            assert_eq!(agree(&p), k <= 13, "nested {k} deep");
+        }
     }
 }
