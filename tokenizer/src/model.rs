@@ -12,8 +12,11 @@
 //! `tokenizer_config.json`'s `chat_template`) is rendered with minijinja, Python string
 //! methods enabled, the way `transformers` renders it.
 
-use std::collections::HashMap;
 use std::fmt;
+
+// The word cache's map: keyed with a per-process seed, a few instructions per word where
+// SipHash takes ~150 (a prompt looks up each of its words).
+use foldhash::HashMap as WordMap;
 use std::path::PathBuf;
 
 use parking_lot::RwLock;
@@ -92,7 +95,7 @@ pub struct ModelTokenizer {
 struct FastBpe {
     split: Gpt2Split,
     byte_chars: [char; 256],
-    words: RwLock<HashMap<Box<str>, Box<[TokenId]>>>,
+    words: RwLock<WordMap<Box<str>, Box<[TokenId]>>>,
 }
 
 /// Words whose ids are kept: the first ones seen, like `tokenizers`' own BPE cache (~1 MB).
@@ -189,7 +192,7 @@ impl ModelTokenizer {
         let fast = crate::split::available().then(|| FastBpe {
             split,
             byte_chars: crate::vocab::byte_chars(),
-            words: RwLock::new(HashMap::new()),
+            words: RwLock::new(WordMap::default()),
         });
         Ok(Self {
             inner,
@@ -311,30 +314,44 @@ impl ModelTokenizer {
         let mut out = Vec::with_capacity(text.len() / 3);
         let mut mapped = String::new();
         let mut failed = false;
-        fast.split.split(text, &mut |piece| {
-            if let Some(ids) = fast.words.read().get(piece) {
-                out.extend_from_slice(ids);
-                return;
-            }
-            mapped.clear();
-            mapped.extend(piece.bytes().map(|b| fast.byte_chars[usize::from(b)]));
-            match tokenizers::Model::tokenize(model, &mapped) {
-                Ok(tokens) => {
-                    let start = out.len();
-                    out.extend(tokens.iter().map(|t| t.id));
-                    // Once the cache is full a miss takes no write lock.
-                    if piece.len() <= WORD_CACHE_MAX_BYTES && fast.words.read().len() < WORD_CACHE_ENTRIES {
-                        let mut words = fast.words.write();
-                        if words.len() < WORD_CACHE_ENTRIES {
-                            words.insert(piece.into(), out[start..].into());
+        // Words to keep, with where their ids stand in `out`: written after the text, so the
+        // read lock is taken once per text, not per word (each take a write to the lock's
+        // word, which the cores tokenizing at once pass between them).
+        let mut new_words: Vec<(&str, std::ops::Range<usize>)> = Vec::new();
+        {
+            let words = fast.words.read();
+            let room = words.len() < WORD_CACHE_ENTRIES;
+            fast.split.split(text, &mut |piece| {
+                if let Some(ids) = words.get(piece) {
+                    out.extend_from_slice(ids);
+                    return;
+                }
+                mapped.clear();
+                mapped.extend(piece.bytes().map(|b| fast.byte_chars[usize::from(b)]));
+                match tokenizers::Model::tokenize(model, &mapped) {
+                    Ok(tokens) => {
+                        let start = out.len();
+                        out.extend(tokens.iter().map(|t| t.id));
+                        // Once the cache is full a miss takes no write lock.
+                        if room && piece.len() <= WORD_CACHE_MAX_BYTES {
+                            new_words.push((piece, start..out.len()));
                         }
                     }
+                    Err(_) => failed = true,
                 }
-                Err(_) => failed = true,
-            }
-        });
+            });
+        }
         if failed {
             return self.encode(text);
+        }
+        if !new_words.is_empty() {
+            let mut words = fast.words.write();
+            for (piece, ids) in new_words {
+                if words.len() >= WORD_CACHE_ENTRIES {
+                    break;
+                }
+                words.entry(piece.into()).or_insert_with(|| out[ids].into());
+            }
         }
         out
     }

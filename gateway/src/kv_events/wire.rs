@@ -116,10 +116,10 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
         }
     } else if let Some(n) = c.map_len() {
         for _ in 0..n {
-            match as_str(c.checked(d)?) {
-                Some("ts") if ts.is_none() => ts = Some(c.checked(d)?),
-                Some("events") if events.is_none() => events = Some(decode_events(&mut c, d)?),
-                Some("data_parallel_rank") if rank.is_none() => rank = Some(c.checked(d)?),
+            match str_bytes(c.checked(d)?) {
+                Some(b"ts") if ts.is_none() => ts = Some(c.checked(d)?),
+                Some(b"events") if events.is_none() => events = Some(decode_events(&mut c, d)?),
+                Some(b"data_parallel_rank") if rank.is_none() => rank = Some(c.checked(d)?),
                 _ => {
                     c.checked(d)?;
                 }
@@ -165,9 +165,9 @@ fn decode_events(c: &mut Cursor<'_>, depth: usize) -> Result<Result<Vec<Event>, 
 }
 
 /// Field positions of the array layout, after the tag (vLLM's declaration order).
-const STORED_FIELDS: [&str; 7] =
-    ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"];
-const REMOVED_FIELDS: [&str; 2] = ["block_hashes", "medium"];
+const STORED_FIELDS: [&[u8]; 7] =
+    [b"block_hashes", b"parent_block_hash", b"token_ids", b"block_size", b"lora_id", b"medium", b"lora_name"];
+const REMOVED_FIELDS: [&[u8]; 2] = [b"block_hashes", b"medium"];
 
 /// An event's fields as read (the first of a key given twice, as a lookup in a decoded map
 /// would find): lists decoded on the way, since the tag that says whether they matter may
@@ -184,24 +184,25 @@ struct Fields<'a> {
 }
 
 impl<'a> Fields<'a> {
-    /// Read the value of field `name` at `c` (consumed), a value with `depth` levels left.
-    fn read(&mut self, name: &str, c: &mut Cursor<'a>, depth: usize) -> Result<(), DecodeError> {
+    /// Read the value of field `name` (its bytes: a key that is not UTF-8 names no field) at
+    /// `c` (consumed), a value with `depth` levels left.
+    fn read(&mut self, name: &[u8], c: &mut Cursor<'a>, depth: usize) -> Result<(), DecodeError> {
         match name {
-            "block_hashes" if self.block_hashes.is_none() => {
+            b"block_hashes" if self.block_hashes.is_none() => {
                 self.block_hashes = Some(read_list(c, depth, hash, || NO_HASHES.to_string())?);
             }
-            "token_ids" if self.token_ids.is_none() => {
+            b"token_ids" if self.token_ids.is_none() => {
                 let token = |v: &[u8]| as_u64(v).and_then(|t| u32::try_from(t).ok()).ok_or("a token id is not a u32");
                 self.token_ids = Some(read_list(c, depth, token, || NO_TOKENS)?);
             }
             _ => {
                 let v = c.checked(depth)?;
                 let slot = match name {
-                    "type" => &mut self.tag,
-                    "parent_block_hash" => &mut self.parent_block_hash,
-                    "block_size" => &mut self.block_size,
-                    "medium" => &mut self.medium,
-                    "lora_name" => &mut self.lora_name,
+                    b"type" => &mut self.tag,
+                    b"parent_block_hash" => &mut self.parent_block_hash,
+                    b"block_size" => &mut self.block_size,
+                    b"medium" => &mut self.medium,
+                    b"lora_name" => &mut self.lora_name,
                     _ => return Ok(()),
                 };
                 slot.get_or_insert(v);
@@ -249,7 +250,7 @@ fn decode_event(c: &mut Cursor<'_>, depth: usize) -> Result<Result<Option<Event>
     let tag = if let Some(n) = c.map_len() {
         for _ in 0..n {
             let key = c.checked(d)?;
-            match as_str(key) {
+            match str_bytes(key) {
                 Some(name) => f.read(name, c, d)?,
                 None => {
                     c.checked(d)?;
@@ -262,7 +263,7 @@ fn decode_event(c: &mut Cursor<'_>, depth: usize) -> Result<Result<Option<Event>
         }
     } else if let Some(n) = c.array_len() {
         let tag = if n > 0 { as_str(c.checked(d)?) } else { None };
-        let names: &[&str] = match tag {
+        let names: &[&[u8]] = match tag {
             Some("BlockStored") => &STORED_FIELDS,
             Some("BlockRemoved") => &REMOVED_FIELDS,
             _ => &[],
@@ -507,9 +508,14 @@ fn payload(v: &[u8], fix: Option<(u8, u8)>, m8: u8, m16: u8, m32: u8) -> Option<
     c.take(n).ok()
 }
 
+/// A string's bytes, unchecked: enough to compare with a known key.
+fn str_bytes(v: &[u8]) -> Option<&[u8]> {
+    payload(v, Some((0xa0, 0xbf)), 0xd9, 0xda, 0xdb)
+}
+
 /// A string, when it is valid UTF-8.
 fn as_str(v: &[u8]) -> Option<&str> {
-    std::str::from_utf8(payload(v, Some((0xa0, 0xbf)), 0xd9, 0xda, 0xdb)?).ok()
+    std::str::from_utf8(str_bytes(v)?).ok()
 }
 
 fn bin(v: &[u8]) -> Option<&[u8]> {
