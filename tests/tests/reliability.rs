@@ -360,9 +360,15 @@ async fn both_thread_models_serve_keep_alive_clients_on_reused_engine_connection
             &config(&[engine.url()]).threads(2).section("work_stealing", &work_stealing.to_string()),
         );
         wait_scraped(&g, 1).await;
+        // The cores start with pingora's services, the scraper among them: not always before
+        // its first scrape.
+        let core_threads = || thread_names(g.pid()).iter().filter(|n| n.starts_with("proxy-core-")).count();
+        let started = Instant::now();
+        while core_threads() < cores && started.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let names = thread_names(g.pid());
-        let core_threads = names.iter().filter(|n| n.starts_with("proxy-core-")).count();
-        assert_eq!(core_threads, cores, "work_stealing: {work_stealing}: {names:?}");
+        assert_eq!(core_threads(), cores, "work_stealing: {work_stealing}: {names:?}");
         let before = engine.seen.connections.load(Ordering::SeqCst);
         let clients: Vec<_> = (0..4).map(|_| tokio::spawn(on_one_connection(g.addr, 25))).collect();
         for c in clients {
