@@ -13,12 +13,11 @@
 //! methods enabled, the way `transformers` renders it.
 
 use std::fmt;
+use std::path::PathBuf;
 
 // The word cache's map: keyed with a per-process seed, a few instructions per word where
 // SipHash takes ~150 (a prompt looks up each of its words).
 use foldhash::HashMap as WordMap;
-use std::path::PathBuf;
-
 use parking_lot::RwLock;
 use serde_json::{json, Value as Json};
 
@@ -344,8 +343,9 @@ impl ModelTokenizer {
         if failed {
             return self.encode(text);
         }
-        if !new_words.is_empty() {
-            let mut words = fast.words.write();
+        // Kept when the lock is free: a writer waiting would hold up every core's next text
+        // behind a long one still being read (a word not kept now is kept another time).
+        if let Some(mut words) = (!new_words.is_empty()).then(|| fast.words.try_write()).flatten() {
             for (piece, ids) in new_words {
                 if words.len() >= WORD_CACHE_ENTRIES {
                     break;
