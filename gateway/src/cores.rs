@@ -17,7 +17,8 @@
 //! reactor. Measured in `docs/performance.md` (issue 23).
 //!
 //! The rest of the gateway (admin listener, scraper, discovery, reloads, the EPP) runs on
-//! pingora's runtimes as before. The cores start with pingora's services ([`Cores`] is one)
+//! pingora's runtimes as before, except the engines' KV-event streams, which the cores
+//! follow between connections ([`Cores::runtimes`]). The cores start with pingora's services ([`Cores`] is one)
 //! and stop on its shutdown broadcast: their accept loops close their sockets while the
 //! connections still open finish under the drain ([`crate::drain`]).
 

@@ -363,10 +363,7 @@ async fn both_thread_models_serve_keep_alive_clients_on_reused_engine_connection
         // The cores start with pingora's services, the scraper among them: not always before
         // its first scrape.
         let core_threads = || thread_names(g.pid()).iter().filter(|n| n.starts_with("proxy-core-")).count();
-        let started = Instant::now();
-        while core_threads() < cores && started.elapsed() < Duration::from_secs(5) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        eventually("the core threads started", async || core_threads() >= cores).await;
         let names = thread_names(g.pid());
         assert_eq!(core_threads(), cores, "work_stealing: {work_stealing}: {names:?}");
         let before = engine.seen.connections.load(Ordering::SeqCst);
