@@ -14,7 +14,7 @@ use crate::config::{BackendKind, EngineConfig};
 use crate::kv::BlockPool;
 use crate::model::llama::KvStore;
 use crate::scheduler::{Scheduler, TokenOutput};
-use crate::tokenizer::{SimTokenizer, Tokenizer};
+use crate::tokenizer::{LoadedTokenizer, SimTokenizer, Tokenizer};
 
 /// What one step did.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,6 +55,7 @@ impl EngineCore {
                 Some(path) => {
                     let tokenizer = switchyard_tokenizer::load(path)
                         .map_err(|e| anyhow::anyhow!("--tokenizer {}: {e}", path.display()))?;
+                    let tokenizer = LoadedTokenizer::new(tokenizer);
                     let backend = SimBackend::with_tokenizer(cfg.sim_profile, &tokenizer);
                     (Arc::new(tokenizer), Box::new(backend))
                 }
@@ -129,7 +130,7 @@ fn load_cpu(cfg: &mut EngineConfig) -> anyhow::Result<(Arc<dyn Tokenizer>, Box<d
     }
     let eos = loaded.tokenizer.eos_token_id();
     let (tp, blocks, block_size, threads) = (cfg.tensor_parallel_size, cfg.num_blocks, cfg.block_size, cfg.threads);
-    let tokenizer: Arc<dyn Tokenizer> = Arc::new(loaded.tokenizer);
+    let tokenizer: Arc<dyn Tokenizer> = Arc::new(LoadedTokenizer::new(loaded.tokenizer));
     #[cfg(feature = "fault-injection")]
     if let (Some(rank), true) = (crate::backend::tp_group::fail_rank_from_env(), tp > 1) {
         let backend = CpuBackend::with_failing_rank(loaded.model, eos, blocks, block_size, threads, tp, rank)?;

@@ -100,10 +100,10 @@ fn truncated_and_corrupt_copies_are_clear_errors() {
 
 #[test]
 fn tokenizer_and_chat_template_come_from_the_file() {
-    use switchyard_engine::tokenizer::ModelTokenizer;
-    use switchyard_engine::tokenizer::{ChatMessage, Tokenizer};
+    use switchyard_engine::tokenizer::{ChatMessage, LoadedTokenizer, ModelTokenizer, Tokenizer};
     let f = model();
-    let t = ModelTokenizer::from_gguf(&f.header).unwrap();
+    // As the engine runs it: piece by piece, pieces remembered.
+    let t = LoadedTokenizer::new(ModelTokenizer::from_gguf(&f.header).unwrap());
     assert_eq!(t.eos_token_id(), 2);
     // Special tokens are single ids; digits are split one by one (the `smollm` pre-tokenizer).
     assert_eq!(t.encode("<|im_start|>"), vec![1]);

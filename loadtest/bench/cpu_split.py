@@ -15,7 +15,10 @@ Bars: none (a diagnostic; docs/performance.md reads its output). Exit status: 0 
 
 Usage: python3 loadtest/bench/cpu_split.py [--rounds N] [--seconds S] [--gateway-bin PATH]
        [--other-gateway-bin PATH] [--gateway-config YAML] [--other-gateway-config YAML]
-       (default: 5 rounds of 6 s, the dist gateway)
+       [--kv-events]
+       (default: 5 rounds of 6 s, the dist gateway; `--kv-events`: precise routing on, as in
+       `gateway_vs_proxies.py --kv-events` — the engine tokenizes and publishes KV events, every
+       gateway subscribes and tokenizes each request)
 """
 import argparse
 import os
@@ -47,16 +50,23 @@ def main():
     ap.add_argument("--other-gateway-bin", default=None, help="a second gateway build, measured alongside")
     ap.add_argument("--gateway-config", default="", help="lines added to the gateway's config")
     ap.add_argument("--other-gateway-config", default="", help="lines added to the second gateway's config")
+    ap.add_argument("--kv-events", action="store_true", help="precise routing on (engine KV events, tokenizing)")
     args = ap.parse_args()
     procs.prepare([("nginx", "nginx-light"), ("wrk", "wrk")])
     binary = args.gateway_bin or gateway_vs_proxies.build_dist_gateway()
-    engine, fast = procs.start_engine("--sim-profile", "instant")
+    engine_args, events, line = ["--sim-profile", "instant"], None, ""
+    if args.kv_events:
+        extra, events, line = procs.kv_events_setup()
+        engine_args += extra
+    engine, fast = procs.start_engine(*engine_args)
     body = gateway_vs_proxies.completion_body(fast)
     servers, urls = {}, {}
     servers["nginx"], urls["nginx"] = procs.start_nginx("nginx", fast)
-    servers["gateway"], urls["gateway"] = procs.start_gateway("gateway", fast, args.gateway_config, binary)
+    servers["gateway"], urls["gateway"] = procs.start_gateway(
+        "gateway", fast, f"{args.gateway_config}\n{line}", binary, events)
     if args.other_gateway_bin:
-        servers["other"], urls["other"] = procs.start_gateway("other", fast, args.other_gateway_config, args.other_gateway_bin)
+        servers["other"], urls["other"] = procs.start_gateway(
+            "other", fast, f"{args.other_gateway_config}\n{line}", args.other_gateway_bin, events)
     targets = [("direct", fast)] + [(n, urls[n]) for n in servers]
     rows = {name: [] for name, _ in targets}
     for _ in range(args.rounds):

@@ -155,15 +155,9 @@ def main():
 
     engine_args, events = ["--sim-profile", "instant"], None
     if args.kv_events:
-        model = os.path.join(os.environ.get("SWITCHYARD_MODEL_DIR", os.path.join(ROOT, ".cache", "models")),
-                             "SmolLM2-135M-Instruct.Q4_1.gguf")
-        if not os.path.exists(model):
-            raise procs.SetupError(f"{model} is missing (scripts/setup.sh fetches it)")
-        port = procs.free_port()
-        engine_args += ["--tokenizer", model, "--kv-events-config", json.dumps(
-            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"})]
-        events = f"tcp://127.0.0.1:{port}"
-        gw_config = f"{gw_config}\nkv_events: {{ tokenizer: {model} }}"
+        extra, events, line = procs.kv_events_setup()
+        engine_args += extra
+        gw_config = f"{gw_config}\n{line}"
     _, fast = procs.start_engine(*engine_args)
     body = completion_body(fast)
     servers, urls = {}, {}

@@ -68,6 +68,20 @@ def start_engine(*args):
     return p, line.removeprefix("listening on ")
 
 
+def kv_events_setup():
+    """What precise routing adds to a benchmark (`--kv-events`): the engine's arguments to
+    tokenize with the SmolLM2 GGUF that scripts/setup.sh fetches and publish KV events, the
+    endpoint the gateway subscribes to, and the gateway's config line (`kv_events: {tokenizer}`)."""
+    model = os.path.join(os.environ.get("SWITCHYARD_MODEL_DIR", os.path.join(ROOT, ".cache", "models")),
+                         "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.exists(model):
+        raise SetupError(f"{model} is missing (scripts/setup.sh fetches it)")
+    port = free_port()
+    engine_args = ["--tokenizer", model, "--kv-events-config", json.dumps(
+        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"})]
+    return engine_args, f"tcp://127.0.0.1:{port}", f"kv_events: {{ tokenizer: {model} }}"
+
+
 def wait_http(url, timeout=30):
     start = time.time()
     while time.time() - start < timeout:

@@ -12,7 +12,9 @@ times) are the figure.
 Bars: none (the counts are reported, docs/performance.md). Exit status: 0 once counted, 2 when
 it could not count (a setup error).
 
-Usage: python3 loadtest/bench/syscalls.py [REQUESTS]   (default 2000)
+Usage: python3 loadtest/bench/syscalls.py [--kv-events] [REQUESTS]   (default 2000; `--kv-events`:
+precise routing on, as in `gateway_vs_proxies.py --kv-events` — the gateway also follows the
+engine's KV-event stream, and its calls for that are counted with the requests')
 """
 import os
 import re
@@ -61,13 +63,20 @@ def count(name, pids, url, n):
 
 
 def main():
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    args = sys.argv[1:]
+    kv = "--kv-events" in args
+    args = [a for a in args if a != "--kv-events"]
+    n = int(args[0]) if args else 2000
     procs.prepare([("nginx", "nginx-light"), ("strace", "strace")])
-    _, engine = procs.start_engine("--sim-profile", "instant")
+    engine_args, events, line = ["--sim-profile", "instant"], None, ""
+    if kv:
+        extra, events, line = procs.kv_events_setup()
+        engine_args += extra
+    _, engine = procs.start_engine(*engine_args)
     servers, urls = {}, {}
     servers["nginx"], urls["nginx"] = procs.start_nginx("nginx", engine)
     servers["envoy"], urls["envoy"] = procs.start_envoy("envoy", engine)
-    servers["gateway"], urls["gateway"] = procs.start_gateway("gateway", engine)
+    servers["gateway"], urls["gateway"] = procs.start_gateway("gateway", engine, line, kv_events=events)
     per = {}
     for name in PROXIES:
         p = servers[name]
@@ -76,7 +85,8 @@ def main():
         per[name] = {k: v / done for k, v in calls.items()}
     names = sorted({k for v in per.values() for k, c in v.items() if c >= 0.1},
                    key=lambda k: -per["gateway"].get(k, 0))
-    print(f"\n## System calls per request ({n} streamed 16/16 completions, concurrency 8, strace -c)\n")
+    print(f"\n## System calls per request ({n} streamed 16/16 completions, concurrency 8, strace -c"
+          f"{'; kv_events on' if kv else ''})\n")
     print("| system call | " + " | ".join(PROXIES) + " |")
     print("|---|" + "---:|" * len(PROXIES))
     for k in names:

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::model::llama::{KvStore, SeqInput};
-use crate::tokenizer::{ChatMessage, Tokenizer};
+use crate::tokenizer::ChatMessage;
 
 const V: usize = 40;
 
@@ -125,7 +125,7 @@ fn loads_and_computes_like_the_same_weights_assembled_by_hand() {
 
         assert_eq!(tok.eos_token_id(), 0);
         assert_eq!(tok.encode("abc"), vec![1, 2, 3]);
-        let text = tok.render_chat(&[ChatMessage { role: "user".into(), content: "Hi".into() }]).unwrap();
+        let text = tok.render(&[ChatMessage { role: "user".into(), content: "Hi".into() }]).unwrap();
         assert_eq!(text, "<user>hi<a>");
         std::fs::remove_dir_all(&ck.dir).unwrap();
     }
