@@ -73,14 +73,25 @@ pub(crate) fn available() -> bool {
     !LETTERS.0.is_empty() && !NUMBERS.0.is_empty()
 }
 
-fn kind(c: char) -> Kind {
-    if c.is_ascii() {
-        return match c {
-            'a'..='z' | 'A'..='Z' => Kind::Letter,
-            '0'..='9' => Kind::Number,
-            '\t' | '\n' | '\x0B' | '\x0C' | '\r' | ' ' => Kind::Space,
+/// The kind of each ASCII character (the regex's `\p{L}`, `\p{N}` and `\s` on ASCII).
+const ASCII_KINDS: [Kind; 128] = {
+    let mut kinds = [Kind::Other; 128];
+    let mut b = 0;
+    while b < 128 {
+        kinds[b] = match b as u8 {
+            b'a'..=b'z' | b'A'..=b'Z' => Kind::Letter,
+            b'0'..=b'9' => Kind::Number,
+            b'\t' | b'\n' | b'\x0B' | b'\x0C' | b'\r' | b' ' => Kind::Space,
             _ => Kind::Other,
         };
+        b += 1;
+    }
+    kinds
+};
+
+fn kind(c: char) -> Kind {
+    if c.is_ascii() {
+        return ASCII_KINDS[c as usize];
     }
     if c.is_whitespace() {
         Kind::Space
@@ -93,20 +104,37 @@ fn kind(c: char) -> Kind {
     }
 }
 
+/// The character starting at byte `i` of `text` (a character boundary) and its kind: ASCII
+/// from the table, without decoding.
+fn char_at(text: &str, i: usize) -> (char, Kind) {
+    let b = text.as_bytes()[i];
+    if b.is_ascii() {
+        return (char::from(b), ASCII_KINDS[usize::from(b)]);
+    }
+    let c = text[i..].chars().next().unwrap_or(char::REPLACEMENT_CHARACTER);
+    (c, kind(c))
+}
+
 impl Gpt2Split {
     /// Call `piece` with each piece of `text`, in order; together they are `text`.
     pub fn split<'a>(&self, text: &'a str, piece: &mut impl FnMut(&'a str)) {
         if !self.individual_digits {
             return split_gpt2(text, piece);
         }
-        let mut start = 0;
-        for (i, c) in text.char_indices() {
+        let (bytes, mut start, mut i) = (text.as_bytes(), 0, 0);
+        while i < bytes.len() {
+            let (c, len) = if bytes[i].is_ascii() {
+                (char::from(bytes[i]), 1)
+            } else {
+                let c = text[i..].chars().next().unwrap_or(char::REPLACEMENT_CHARACTER);
+                (c, c.len_utf8())
+            };
             if c.is_numeric() {
                 split_gpt2(&text[start..i], piece);
-                let end = i + c.len_utf8();
-                piece(&text[i..end]);
-                start = end;
+                piece(&text[i..i + len]);
+                start = i + len;
             }
+            i += len;
         }
         split_gpt2(&text[start..], piece);
     }
@@ -123,16 +151,17 @@ fn split_gpt2<'a>(text: &'a str, piece: &mut impl FnMut(&'a str)) {
 
 /// Where the piece starting at `at` ends (`at < text.len()`).
 fn piece_end(text: &str, at: usize) -> usize {
-    let rest = &text[at..];
-    if let Some(after) = rest.strip_prefix('\'') {
-        if let Some(c) = ["s", "t", "re", "ve", "m", "ll", "d"].iter().find(|c| after.starts_with(**c)) {
+    let bytes = text.as_bytes();
+    if bytes[at] == b'\'' {
+        let after = &bytes[at + 1..];
+        if let Some(c) = ["s", "t", "re", "ve", "m", "ll", "d"].iter().find(|c| after.starts_with(c.as_bytes())) {
             return at + 1 + c.len();
         }
     }
     // An optional space, then a run of one kind other than white space.
-    let from = if rest.starts_with(' ') { at + 1 } else { at };
-    if let Some(first) = text[from..].chars().next() {
-        let k = kind(first);
+    let from = if bytes[at] == b' ' { at + 1 } else { at };
+    if from < text.len() {
+        let (_, k) = char_at(text, from);
         if k != Kind::Space {
             return run_end(text, from, k);
         }
@@ -140,12 +169,13 @@ fn piece_end(text: &str, at: usize) -> usize {
     // White space (the character at `at` is: a space not followed by a run, or another).
     let mut last = at;
     let mut end = at;
-    for (i, c) in text[at..].char_indices() {
-        if kind(c) != Kind::Space {
+    while end < text.len() {
+        let (c, k) = char_at(text, end);
+        if k != Kind::Space {
             break;
         }
-        last = at + i;
-        end = at + i + c.len_utf8();
+        last = end;
+        end += c.len_utf8();
     }
     // `\s+(?!\S)`: up to the end of text, or all but the last character before a non-space
     // (at least one); else `\s+`: the single character.
@@ -156,8 +186,17 @@ fn piece_end(text: &str, at: usize) -> usize {
     }
 }
 
+/// Where the run of kind `k` starting at `from` ends.
 fn run_end(text: &str, from: usize, k: Kind) -> usize {
-    text[from..].char_indices().find(|&(_, c)| kind(c) != k).map_or(text.len(), |(i, _)| from + i)
+    let mut i = from;
+    while i < text.len() {
+        let (c, kc) = char_at(text, i);
+        if kc != k {
+            return i;
+        }
+        i += c.len_utf8();
+    }
+    text.len()
 }
 
 #[cfg(test)]
