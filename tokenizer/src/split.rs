@@ -106,6 +106,7 @@ fn kind(c: char) -> Kind {
 
 /// The character starting at byte `i` of `text` (a character boundary) and its kind: ASCII
 /// from the table, without decoding.
+#[inline]
 fn char_at(text: &str, i: usize) -> (char, Kind) {
     let b = text.as_bytes()[i];
     if b.is_ascii() {
@@ -123,13 +124,13 @@ impl Gpt2Split {
         }
         let (bytes, mut start, mut i) = (text.as_bytes(), 0, 0);
         while i < bytes.len() {
-            let (c, len) = if bytes[i].is_ascii() {
-                (char::from(bytes[i]), 1)
+            let (numeric, len) = if bytes[i].is_ascii() {
+                (bytes[i].is_ascii_digit(), 1)
             } else {
                 let c = text[i..].chars().next().unwrap_or(char::REPLACEMENT_CHARACTER);
-                (c, c.len_utf8())
+                (c.is_numeric(), c.len_utf8())
             };
-            if c.is_numeric() {
+            if numeric {
                 split_gpt2(&text[start..i], piece);
                 piece(&text[i..i + len]);
                 start = i + len;
