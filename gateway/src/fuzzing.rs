@@ -80,6 +80,13 @@ pub fn request_path(data: &[u8]) {
         Some(crate::request::tokens::PromptInput::Ids(ids)) => assert!(!ids.is_empty()),
         Some(crate::request::tokens::PromptInput::Text(_)) | None => {}
     }
+    // What the routing pass sees of the prompt is what the engine's reader gives.
+    let limits = crate::request::PromptLimits::NONE;
+    if let Ok((_, pass)) = crate::request::routing_fields_and_blocks(body, &limits, 64, true) {
+        if let crate::request::tokens::SeenPrompt::Known(input) = pass.seen {
+            assert_eq!(input, crate::request::tokens::prompt_input(body), "the routing pass sees the engine's prompt");
+        }
+    }
 
     let req = request_head(head);
     let active = Active::for_config(GatewayConfig::parse(CONFIG).expect("the fuzz config is valid"));

@@ -27,7 +27,7 @@ use switchyard_tokenizer::{ModelTokenizer, PieceCache};
 use super::index::{prompt_keys, Applied, BlockKey, EngineSlot, KvIndex, MAX_ENGINES};
 use super::wire::{decode_batch, EventBatch};
 use crate::metrics::GatewayMetrics;
-use crate::request::tokens::prompt_token_ids;
+use crate::request::tokens::{prompt_token_ids, SeenPrompt};
 use crate::state::Active;
 
 /// How often the set of engines is compared with the subscriptions.
@@ -98,10 +98,16 @@ impl KvEventsShared {
         })
     }
 
+    /// Whether requests get block keys (a tokenizer is configured).
+    pub fn tokenizes(&self) -> bool {
+        self.tokenizer.is_some()
+    }
+
     /// The prompt of `body` tokenized as the engine will (`None` without a tokenizer, or for
-    /// a body with no single prompt: see [`crate::request::tokens`]).
-    pub fn precise_prompt(&self, body: &[u8]) -> Option<PrecisePrompt> {
-        let ids = prompt_token_ids(body, self.tokenizer.as_deref()?, &self.pieces)?;
+    /// a body with no single prompt: see [`crate::request::tokens`]); `seen`: what the
+    /// routing pass read of it.
+    pub fn precise_prompt(&self, body: &[u8], seen: SeenPrompt) -> Option<PrecisePrompt> {
+        let ids = prompt_token_ids(body, seen, self.tokenizer.as_deref()?, &self.pieces)?;
         Some(PrecisePrompt { keys: prompt_keys(&ids, self.block_size), tokens: ids.len() as u64 })
     }
 
@@ -403,7 +409,7 @@ mod tests {
     fn live_engines_match_by_the_blocks_they_hold_and_the_others_are_left_to_the_approximate_index() {
         let shared = KvEventsShared::new(4, 1 << 30, Some(letters()), 1 << 20);
         let body = br#"{"messages":[{"role":"user","content":"hello world"}]}"#;
-        let prompt = shared.precise_prompt(body).expect("a chat tokenizes");
+        let prompt = shared.precise_prompt(body, SeenPrompt::Unknown).expect("a chat tokenizes");
         // `<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n`, a token a character.
         let text = switchyard_tokenizer::render_chatml(&[switchyard_tokenizer::ChatMessage {
             role: "user".into(),
@@ -436,9 +442,13 @@ mod tests {
         assert_eq!(shared.matched_tokens(&prompt, &[1, 2, 3, 4]), vec![Some(12), Some(0), None, None]);
 
         // A completion's token ids are taken as they are; a batch has no single prompt.
-        let ids = shared.precise_prompt(br#"{"prompt":[1,2,3,4,5]}"#).unwrap();
+        let ids = shared.precise_prompt(br#"{"prompt":[1,2,3,4,5]}"#, SeenPrompt::Unknown).unwrap();
         assert_eq!((ids.tokens, ids.keys.len()), (5, 1));
-        assert_eq!(shared.precise_prompt(br#"{"prompt":["a","b"]}"#), None);
-        assert_eq!(KvEventsShared::new(4, 1 << 30, None, 1 << 20).precise_prompt(body), None, "no tokenizer, no keys");
+        assert_eq!(shared.precise_prompt(br#"{"prompt":["a","b"]}"#, SeenPrompt::Unknown), None);
+        assert_eq!(
+            KvEventsShared::new(4, 1 << 30, None, 1 << 20).precise_prompt(body, SeenPrompt::Unknown),
+            None,
+            "no tokenizer, no keys"
+        );
     }
 }

@@ -8,8 +8,10 @@ use crate::auth::Tenant;
 use crate::downstream::RequestHead;
 use crate::error::ProxyError;
 use crate::kv_events::subscriber::{KvEventsShared, PrecisePrompt};
+use crate::request::tokens::SeenPrompt;
 use crate::request::{
     canonical_prompt_blocks, form_data_boundary, form_routing_fields, routing_fields, routing_fields_and_blocks,
+    PromptPass,
 };
 use crate::state::Active;
 
@@ -63,9 +65,11 @@ pub fn plan_request(
     let (fields, blocks) = match boundary {
         Some(boundary) => (form_routing_fields(body, boundary)?, None),
         None if active.policy.uses_prefix() => {
-            let (fields, blocks) =
-                routing_fields_and_blocks(body, &cfg.limits.prompt_limits(), cfg.prefix_index.block_bytes)?;
-            (fields, Some(blocks))
+            // The prompt as the engine reads it too, when the precise index will tokenize it.
+            let see = kv.is_some_and(KvEventsShared::tokenizes);
+            let (fields, pass) =
+                routing_fields_and_blocks(body, &cfg.limits.prompt_limits(), cfg.prefix_index.block_bytes, see)?;
+            (fields, Some(pass))
         }
         None => (routing_fields(body, &cfg.limits.prompt_limits())?, None),
     };
@@ -153,9 +157,9 @@ impl RoutePlan {
         self.fit_policy_with(head, body, active, kv, form, None);
     }
 
-    /// [`Self::fit_policy`], knowing whether the body is a form, and given the block hashes
-    /// and prompt length when they were read already (with the routing fields, under
-    /// `active`'s block size).
+    /// [`Self::fit_policy`], knowing whether the body is a form, and given the block hashes,
+    /// prompt length and seen prompt when they were read already (with the routing fields,
+    /// under `active`'s block size).
     fn fit_policy_with(
         &mut self,
         head: &RequestHead,
@@ -163,17 +167,20 @@ impl RoutePlan {
         active: &Active,
         kv: Option<&KvEventsShared>,
         form: bool,
-        blocks: Option<(Vec<u64>, usize)>,
+        pass: Option<PromptPass>,
     ) {
         let policy = &active.policy;
         let pcfg = &active.config.prefix_index;
         // A form (an audio upload) has no prompt to hash.
         if policy.uses_prefix() && !form {
-            let (hashes, len) = blocks.unwrap_or_else(|| canonical_prompt_blocks(body, pcfg.block_bytes));
-            self.hashes = hashes;
-            self.prompt_tokens = pcfg.tokens(len);
+            let (blocks, seen) = match pass {
+                Some(p) => (p.blocks, p.seen),
+                None => (canonical_prompt_blocks(body, pcfg.block_bytes), SeenPrompt::Unknown),
+            };
+            self.hashes = blocks.0;
+            self.prompt_tokens = pcfg.tokens(blocks.1);
             if self.precise.is_none() {
-                self.precise = kv.and_then(|kv| kv.precise_prompt(body));
+                self.precise = kv.and_then(|kv| kv.precise_prompt(body, seen));
             }
         } else {
             self.hashes = Vec::new();

@@ -17,6 +17,7 @@ pub mod tokens;
 use serde_json::value::RawValue;
 
 use crate::error::ProxyError;
+use tokens::SeenPrompt;
 
 pub use content::ContentDetector;
 pub use multipart::form_data_boundary;
@@ -62,32 +63,46 @@ impl PromptLimits {
 
 /// Parse the routing fields and check the prompt's size; the error names what is wrong.
 pub fn routing_fields(body: &[u8], limits: &PromptLimits) -> Result<RoutingFields, ProxyError> {
-    read_request(body, limits, prompt::NoText).map(|(fields, _)| fields)
+    read_request(body, limits, prompt::NoText, false).map(|(fields, ..)| fields)
+}
+
+/// What prefix routing reads from the routing pass over a body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptPass {
+    /// The canonical prompt's block hashes and length (what [`canonical_prompt_blocks`]
+    /// gives).
+    pub blocks: (Vec<u64>, usize),
+    /// The prompt as the engine reads it, when asked for and the pass could tell.
+    pub seen: SeenPrompt,
 }
 
 /// [`routing_fields`] and, from the same pass over the body, the canonical prompt's block
-/// hashes and length (what [`canonical_prompt_blocks`] gives).
+/// hashes and length, and, with `see`, the prompt as the engine reads it (for precise
+/// routing: see [`prompt::parse_seeing`]).
 pub fn routing_fields_and_blocks(
     body: &[u8],
     limits: &PromptLimits,
     block_bytes: usize,
-) -> Result<(RoutingFields, (Vec<u64>, usize)), ProxyError> {
-    let (fields, hasher) = read_request(body, limits, prompt::BlockHasher::new(block_bytes, 0))?;
-    Ok((fields, (hasher.hashes, hasher.len)))
+    see: bool,
+) -> Result<(RoutingFields, PromptPass), ProxyError> {
+    let (fields, hasher, seen) = read_request(body, limits, prompt::BlockHasher::new(block_bytes, 0), see)?;
+    Ok((fields, PromptPass { blocks: (hasher.hashes, hasher.len), seen }))
 }
 
-/// One pass over `body`: the routing fields, checked, and the canonical prompt in `proto`'s
-/// kind of sink.
+/// One pass over `body`: the routing fields, checked, the canonical prompt in `proto`'s kind
+/// of sink, and with `see` the prompt as the engine reads it.
 fn read_request<S: prompt::PromptSink>(
     body: &[u8],
     limits: &PromptLimits,
     proto: S,
-) -> Result<(RoutingFields, S), ProxyError> {
+    see: bool,
+) -> Result<(RoutingFields, S, SeenPrompt), ProxyError> {
     let text = json_text(body)?;
     let empty = proto.fresh(0);
-    let Ok(raw) = prompt::parse(text, proto) else {
+    let read = if see { prompt::parse_seeing(text, proto) } else { prompt::parse(text, proto) };
+    let Ok(raw) = read else {
         // The derived reader decides what the one pass could not read; no prompt text.
-        return derived::routing_fields(text, limits).map(|fields| (fields, empty));
+        return derived::routing_fields(text, limits).map(|fields| (fields, empty, SeenPrompt::Unknown));
     };
     if let Some(top) = raw.messages {
         if top > limits.max_messages {
@@ -100,7 +115,7 @@ fn read_request<S: prompt::PromptSink>(
         }
     }
     let fields = checked_fields(text, raw.model, raw.stream, raw.max_tokens, raw.max_completion_tokens)?;
-    Ok((fields, raw.prompt))
+    Ok((fields, raw.prompt, raw.seen))
 }
 
 /// `body` as text, when it may be a JSON object: it starts with `{` and is UTF-8.
@@ -396,6 +411,8 @@ mod tests {
         let keys = ["model", "stream", "max_tokens", "max_completion_tokens", "messages", "prompt", "n", "model"];
         let limits = [PromptLimits::NONE, PromptLimits { max_messages: 2, max_prompt_items: 3 }];
         let (mut ok, mut refused, mut one_pass) = (0, 0, 0);
+        // Prompts the pass saw: none, a chat, a text.
+        let mut seen = [0; 3];
         for case in 0..20_000 {
             let n = rng.random_range(0..5);
             let fields: Vec<String> = (0..n)
@@ -414,12 +431,21 @@ mod tests {
                 let reference =
                     json_text(body).and_then(|t| derived::routing_fields(t, limits)).map_err(|e| e.to_string());
                 assert_eq!(one, reference, "{}", String::from_utf8_lossy(body));
-                let both = routing_fields_and_blocks(body, limits, 5).map_err(|e| e.to_string());
+                let both = routing_fields_and_blocks(body, limits, 5, true).map_err(|e| e.to_string());
                 match both {
-                    Ok((fields, blocks)) => {
+                    Ok((fields, pass)) => {
                         ok += 1;
                         assert_eq!(Ok(fields), one);
-                        assert_eq!(blocks, canonical_prompt_blocks(body, 5), "{}", String::from_utf8_lossy(body));
+                        assert_eq!(pass.blocks, canonical_prompt_blocks(body, 5), "{}", String::from_utf8_lossy(body));
+                        // What the pass saw of the prompt is what the engine's reader gives.
+                        if let SeenPrompt::Known(input) = pass.seen {
+                            seen[match input {
+                                None => 0,
+                                Some(tokens::PromptInput::Chat(_)) => 1,
+                                Some(_) => 2,
+                            }] += 1;
+                            assert_eq!(input, tokens::prompt_input(body), "{}", String::from_utf8_lossy(body));
+                        }
                     }
                     Err(e) => {
                         refused += 1;
@@ -431,7 +457,96 @@ mod tests {
         // Both answers, and mostly the one pass rather than the derived reader behind it.
         assert!(ok > 5_000 && refused > 5_000, "{ok} accepted, {refused} refused");
         assert!(one_pass > 8_000, "the one pass read {one_pass} bodies");
-        eprintln!("{ok} accepted, {refused} refused; the one pass read {one_pass} of 20000 bodies");
+        eprintln!(
+            "{ok} accepted, {refused} refused; the one pass read {one_pass} of 20000 bodies, saw {seen:?} prompts"
+        );
+    }
+
+    /// A random request body built around a prompt: `messages` of message-like objects
+    /// (the shapes requests send and the ones the engines refuse: a missing, repeated or
+    /// null role, content as parts, numbers, objects) and `prompt`s of every kind.
+    fn prompt_body(rng: &mut rand::rngs::StdRng) -> String {
+        use rand::Rng;
+        let strings = [r#""user""#, r#""system""#, r#""hi "there"""#, r#""café""#, r#""""#];
+        let mut pick = |rng: &mut rand::rngs::StdRng| -> String {
+            match rng.random_range(0..10) {
+                0..=5 => strings[rng.random_range(0..strings.len())].to_string(),
+                6 => "null".into(),
+                7 => r#"[{"type":"text","text":"a"},{"type":"text","text":"b"}]"#.into(),
+                8 => value(rng, 2),
+                _ => "7".into(),
+            }
+        };
+        let message = |rng: &mut rand::rngs::StdRng, pick: &mut dyn FnMut(&mut rand::rngs::StdRng) -> String| {
+            match rng.random_range(0..20) {
+                0 => return value(rng, 2),
+                1..=8 => {
+                    let (role, content) = (strings[rng.random_range(0..2)], pick(rng));
+                    return format!(r#"{{"content":{content},"name":"x","role":{role}}}"#);
+                }
+                _ => {}
+            }
+            let keys = ["role", "content", "role", "content", "name", "role"];
+            let n = rng.random_range(1..4);
+            let fields: Vec<String> =
+                (0..n).map(|_| format!(r#""{}":{}"#, keys[rng.random_range(0..keys.len())], pick(rng))).collect();
+            format!("{{{}}}", fields.join(","))
+        };
+        let mut fields = vec![r#""model":"m""#.to_string()];
+        if rng.random_range(0..3) > 0 {
+            let messages = match rng.random_range(0..12) {
+                0 => "null".into(),
+                1 => value(rng, 1),
+                _ => {
+                    let n = rng.random_range(0..4);
+                    let items: Vec<String> = (0..n).map(|_| message(rng, &mut pick)).collect();
+                    format!("[{}]", items.join(","))
+                }
+            };
+            fields.push(format!(r#""messages":{messages}"#));
+        }
+        if rng.random_range(0..2) > 0 {
+            let prompt = match rng.random_range(0..6) {
+                0..=2 => pick(rng),
+                3 => "[1,2,3]".into(),
+                _ => value(rng, 1),
+            };
+            fields.push(format!(r#""prompt":{prompt}"#));
+        }
+        let n = fields.len();
+        fields.swap(rng.random_range(0..n), rng.random_range(0..n));
+        format!("{{{}}}", fields.join(","))
+    }
+
+    #[test]
+    fn the_pass_sees_the_prompt_the_engine_reads() {
+        use rand::SeedableRng;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        // Bodies the pass read: its prompt none, a chat, a text; left to `prompt_input`.
+        let (mut seen, mut unknown) = ([0; 3], 0);
+        for _ in 0..20_000 {
+            let body = prompt_body(&mut rng);
+            let body = body.as_bytes();
+            let Ok((_, pass)) = routing_fields_and_blocks(body, &PromptLimits::NONE, 5, true) else { continue };
+            match pass.seen {
+                SeenPrompt::Known(input) => {
+                    seen[match &input {
+                        None => 0,
+                        Some(tokens::PromptInput::Chat(_)) => 1,
+                        Some(_) => 2,
+                    }] += 1;
+                    assert_eq!(input, tokens::prompt_input(body), "{}", String::from_utf8_lossy(body));
+                }
+                SeenPrompt::Unknown => unknown += 1,
+            }
+            // Not asked: not seen.
+            let (_, pass) = routing_fields_and_blocks(body, &PromptLimits::NONE, 5, false).unwrap();
+            assert_eq!(pass.seen, SeenPrompt::Unknown);
+        }
+        assert!(
+            seen.iter().all(|&n| n > 1_000) && unknown > 1_000,
+            "seen (none, chat, text) {seen:?}, unknown {unknown}"
+        );
     }
 
     #[test]

@@ -19,6 +19,9 @@ use std::fmt;
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
+use switchyard_tokenizer::ChatMessage;
+
+use super::tokens::{PromptInput, SeenPrompt};
 
 /// The canonical prompt of `body` (see the module docs). The request path needs only its
 /// block hashes ([`canonical_prompt_blocks`]); the text is for tests and the fuzz target.
@@ -39,7 +42,7 @@ pub fn canonical_prompt_blocks(body: &[u8], block_bytes: usize) -> (Vec<u64>, us
 fn render<S: PromptSink>(body: &[u8], proto: S) -> S {
     let mut de = serde_json::Deserializer::from_slice(body);
     let empty = proto.fresh(0);
-    (Request { capacity: body.len(), proto, strict: false })
+    (Request { capacity: body.len(), proto, strict: false, see: false })
         .deserialize(&mut de)
         .and_then(|parsed| de.end().map(|()| parsed.prompt))
         .unwrap_or(empty)
@@ -61,6 +64,9 @@ pub struct Parsed<'de, S> {
     pub prompt_items: Option<usize>,
     /// The canonical prompt; empty when the body's shape is not a request's.
     pub prompt: S,
+    /// The prompt as the engine reads it, when asked for ([`parse_seeing`]) and the body has
+    /// one of the common shapes; else [`SeenPrompt::Unknown`].
+    pub seen: SeenPrompt,
 }
 
 /// Read `text`, a whole request body, in one pass: routing's fields, the prompt's sizes and
@@ -70,8 +76,24 @@ pub struct Parsed<'de, S> {
 /// # Errors
 /// `text` is not one JSON object, or it repeats one of routing's fields.
 pub fn parse<S: PromptSink>(text: &str, proto: S) -> Result<Parsed<'_, S>, serde_json::Error> {
+    read(text, proto, false)
+}
+
+/// [`parse`], also keeping the prompt as the engine reads it (what
+/// [`prompt_input`](super::tokens::prompt_input) gives) when the body has one of the common
+/// shapes: a `prompt` string, or `messages` of objects with one string `role` and a string,
+/// null or absent `content`, or neither. Any other shape is [`SeenPrompt::Unknown`] (left to
+/// `prompt_input`, which reads the body again).
+///
+/// # Errors
+/// As [`parse`].
+pub fn parse_seeing<S: PromptSink>(text: &str, proto: S) -> Result<Parsed<'_, S>, serde_json::Error> {
+    read(text, proto, true)
+}
+
+fn read<S: PromptSink>(text: &str, proto: S, see: bool) -> Result<Parsed<'_, S>, serde_json::Error> {
     let mut de = serde_json::Deserializer::from_str(text);
-    let parsed = (Request { capacity: text.len(), proto, strict: true }).deserialize(&mut de)?;
+    let parsed = (Request { capacity: text.len(), proto, strict: true, see }).deserialize(&mut de)?;
     de.end()?;
     Ok(parsed)
 }
@@ -221,11 +243,13 @@ impl<'de> Deserialize<'de> for Field {
 /// The top-level object: renders `messages` if present (and not null), else `prompt`,
 /// and keeps what routing reads. `capacity`: the body's length, about the most text it
 /// renders (one allocation, no copies while the text grows); `proto`: the kind of sink to
-/// render into; `strict`: a routing field given twice is an error (else the last counts).
+/// render into; `strict`: a routing field given twice is an error (else the last counts);
+/// `see`: keep the prompt as the engine reads it ([`parse_seeing`]).
 struct Request<S> {
     capacity: usize,
     proto: S,
     strict: bool,
+    see: bool,
 }
 
 impl<'de, S: PromptSink> DeserializeSeed<'de> for Request<S> {
@@ -249,8 +273,12 @@ impl<'de, S: PromptSink> Visitor<'de> for Request<S> {
             messages: None,
             prompt_items: None,
             prompt: self.proto.fresh(0),
+            seen: SeenPrompt::Unknown,
         };
         let (mut messages, mut prompt) = (None, None);
+        // What the engine reads (when `see`): `None` when absent or null; `Some(None)` when
+        // given in a shape left to `prompt_input`.
+        let (mut chat, mut prompt_text): (Option<Option<Vec<ChatMessage>>>, Option<Option<String>>) = (None, None);
         // A shape that is not a request's (a message that is not an object…): no text.
         let mut bad = false;
         let mut seen = 0u8;
@@ -267,13 +295,18 @@ impl<'de, S: PromptSink> Visitor<'de> for Request<S> {
                 Field::MaxTokens => p.max_tokens = map.next_value()?,
                 Field::MaxCompletionTokens => p.max_completion_tokens = map.next_value()?,
                 Field::Messages => {
-                    let seed = Messages { capacity: self.capacity, proto: &self.proto, bad: &mut bad };
-                    (messages, p.messages) = map.next_value_seed(seed)?;
+                    let seed = Messages { capacity: self.capacity, proto: &self.proto, bad: &mut bad, see: self.see };
+                    let seen;
+                    (messages, p.messages, seen) = map.next_value_seed(seed)?;
+                    chat = p.messages.map(|_| seen);
                 }
                 Field::Prompt => {
                     let mut out = self.proto.fresh(self.capacity);
-                    p.prompt_items = map.next_value_seed(Prompt { out: &mut out })?;
+                    let mut text = None;
+                    p.prompt_items =
+                        map.next_value_seed(Prompt { out: &mut out, text: self.see.then_some(&mut text) })?;
                     prompt = Some(out);
+                    prompt_text = p.prompt_items.map(|_| text);
                 }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
@@ -285,13 +318,24 @@ impl<'de, S: PromptSink> Visitor<'de> for Request<S> {
                 p.prompt = text;
             }
         }
+        if self.see && !bad {
+            // As `prompt_input`: `messages` when given (none when empty), else `prompt`.
+            p.seen = match (chat, prompt_text) {
+                (Some(Some(m)), _) => SeenPrompt::Known((!m.is_empty()).then_some(PromptInput::Chat(m))),
+                (None, Some(Some(t))) => SeenPrompt::Known(Some(PromptInput::Text(t))),
+                (None, None) => SeenPrompt::Known(None),
+                (Some(None), _) | (None, Some(None)) => SeenPrompt::Unknown,
+            };
+        }
         Ok(p)
     }
 }
 
 /// A request's `prompt`: rendered as a [`Content`]; its items counted (`None` for null).
+/// `text`, when given, gets the prompt when it is a string.
 struct Prompt<'a, S> {
     out: &'a mut S,
+    text: Option<&'a mut Option<String>>,
 }
 
 impl<'de, S: PromptSink> DeserializeSeed<'de> for Prompt<'_, S> {
@@ -319,6 +363,9 @@ impl<'de, S: PromptSink> Visitor<'de> for Prompt<'_, S> {
     }
     fn visit_str<E>(self, v: &str) -> Result<Option<usize>, E> {
         self.out.put(v);
+        if let Some(text) = self.text {
+            *text = Some(v.to_owned());
+        }
         Ok(Some(1))
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<usize>, A::Error> {
@@ -345,11 +392,14 @@ struct Messages<'p, S> {
     proto: &'p S,
     /// Set when `messages` or one of its entries has a shape no request has.
     bad: &'p mut bool,
+    /// Keep the conversation as the engine reads it.
+    see: bool,
 }
 
-/// The rendered conversation (`None` for null) and the number of entries (`None` for null,
-/// 0 for anything that is not an array).
-type MessagesValue<S> = (Option<S>, Option<usize>);
+/// The rendered conversation (`None` for null), the number of entries (`None` for null, 0
+/// for anything that is not an array) and, when asked for, the conversation as the engine
+/// reads it (`None` when not asked for, or not one of the shapes [`parse_seeing`] reads).
+type MessagesValue<S> = (Option<S>, Option<usize>, Option<Vec<ChatMessage>>);
 
 impl<'de, S: PromptSink> DeserializeSeed<'de> for Messages<'_, S> {
     type Value = MessagesValue<S>;
@@ -362,7 +412,7 @@ impl<S> Messages<'_, S> {
     /// Not an array of messages: no text, no entries.
     fn not_an_array(self) -> MessagesValue<S> {
         *self.bad = true;
-        (None, Some(0))
+        (None, Some(0), None)
     }
 }
 
@@ -372,17 +422,21 @@ impl<'de, S: PromptSink> Visitor<'de> for Messages<'_, S> {
         f.write_str("an array of messages")
     }
     fn visit_unit<E>(self) -> Result<Self::Value, E> {
-        Ok((None, None))
+        Ok((None, None, None))
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut out = self.proto.fresh(self.capacity);
         // One message's content, kept until its object ends (its role may come after it).
         let mut content = String::new();
         let mut entries = 0usize;
-        while seq.next_element_seed(Message { out: &mut out, content: &mut content, bad: &mut *self.bad })?.is_some() {
+        let mut chat = self.see.then(Vec::new);
+        while seq
+            .next_element_seed(Message { out: &mut out, content: &mut content, bad: &mut *self.bad, chat: &mut chat })?
+            .is_some()
+        {
             entries += 1;
         }
-        Ok((Some(out), Some(entries)))
+        Ok((Some(out), Some(entries), chat))
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
@@ -406,11 +460,13 @@ impl<'de, S: PromptSink> Visitor<'de> for Messages<'_, S> {
 }
 
 /// One message object, appended to `out` as `<|role|>\n{content}\n`; anything else sets
-/// `bad`.
+/// `bad`. Also appended to `chat`, when kept, if it has one string `role` and at most one
+/// `content`, a string or null (else `chat` is given up: `None`).
 struct Message<'a, S> {
     out: &'a mut S,
     content: &'a mut String,
     bad: &'a mut bool,
+    chat: &'a mut Option<Vec<ChatMessage>>,
 }
 
 impl<'de, S: PromptSink> DeserializeSeed<'de> for Message<'_, S> {
@@ -428,16 +484,29 @@ impl<'de, S: PromptSink> Visitor<'de> for Message<'_, S> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let mut role: Option<String> = None;
         self.content.clear();
+        // For `chat`: how often each was given, and whether the content was a string or null.
+        let (mut roles, mut contents, mut plain) = (0, 0, true);
         while let Some(key) = map.next_key::<Field>()? {
             match key {
-                Field::Role => role = map.next_value_seed(Role { bad: &mut *self.bad })?,
+                Field::Role => {
+                    role = map.next_value_seed(Role { bad: &mut *self.bad })?;
+                    roles += 1;
+                }
                 Field::Content => {
                     self.content.clear();
-                    map.next_value_seed(Content { out: self.content, count: None })?;
+                    plain = false;
+                    map.next_value_seed(Content { out: self.content, count: None, plain: Some(&mut plain) })?;
+                    contents += 1;
                 }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
+            }
+        }
+        if let Some(chat) = self.chat {
+            match (&role, roles, contents <= 1 && plain) {
+                (Some(r), 1, true) => chat.push(ChatMessage { role: r.clone(), content: self.content.clone() }),
+                _ => *self.chat = None,
             }
         }
         self.out.put("<|");
@@ -530,10 +599,12 @@ impl<'de> Visitor<'de> for Role<'_> {
 }
 
 /// A prompt or a message's content: a string as is; an array item by item ([`Item`]);
-/// anything else adds nothing. `count`, when given, gains an array's number of entries.
+/// anything else adds nothing. `count`, when given, gains an array's number of entries;
+/// `plain`, when given, is set when the content is a string or null.
 struct Content<'a, S> {
     out: &'a mut S,
     count: Option<&'a mut usize>,
+    plain: Option<&'a mut bool>,
 }
 
 impl<'de, S: PromptSink> DeserializeSeed<'de> for Content<'_, S> {
@@ -550,6 +621,9 @@ impl<'de, S: PromptSink> Visitor<'de> for Content<'_, S> {
     }
     fn visit_str<E>(self, v: &str) -> Result<(), E> {
         self.out.put(v);
+        if let Some(plain) = self.plain {
+            *plain = true;
+        }
         Ok(())
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
@@ -579,6 +653,9 @@ impl<'de, S: PromptSink> Visitor<'de> for Content<'_, S> {
         Ok(())
     }
     fn visit_unit<E>(self) -> Result<(), E> {
+        if let Some(plain) = self.plain {
+            *plain = true;
+        }
         Ok(())
     }
 }
@@ -669,7 +746,7 @@ impl<'de, S: PromptSink> Visitor<'de> for Item<'_, S> {
     }
     fn visit_seq<A: SeqAccess<'de>>(mut self, seq: A) -> Result<(), A::Error> {
         self.newline();
-        Content { out: self.out, count: self.weight }.visit_seq(seq)
+        Content { out: self.out, count: self.weight, plain: None }.visit_seq(seq)
     }
     fn visit_bool<E>(mut self, _: bool) -> Result<(), E> {
         self.weigh();

@@ -9,7 +9,9 @@
 //! by the approximate index.
 //!
 //! Read with serde's derive over small types: unknown fields are skipped without building a
-//! tree, so a body costs about its own text here, plus 4 bytes per token.
+//! tree, so a body costs about its own text here, plus 4 bytes per token. The routing pass
+//! over the body (`request::prompt::parse_seeing`) reads the common shapes already
+//! ([`SeenPrompt`]); this second read is for the others.
 
 use std::fmt;
 
@@ -26,6 +28,15 @@ pub enum PromptInput {
     Text(String),
     /// A completion's prompt given as token ids.
     Ids(Vec<TokenId>),
+}
+
+/// What the routing pass over a body saw of its prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SeenPrompt {
+    /// What [`prompt_input`] gives for the body.
+    Known(Option<PromptInput>),
+    /// A shape the routing pass leaves to [`prompt_input`].
+    Unknown,
 }
 
 /// The prompt of `body`, when it has exactly one (see the module documentation).
@@ -45,9 +56,20 @@ pub fn prompt_input(body: &[u8]) -> Option<PromptInput> {
 
 /// The token ids the engine prefills for `body`, rendered and tokenized with `tokenizer`
 /// (`None` as for [`prompt_input`], or when the chat template rejects the conversation);
-/// pieces seen before (a shared system prompt, earlier turns) come from `cache`.
-pub fn prompt_token_ids(body: &[u8], tokenizer: &ModelTokenizer, cache: &PieceCache) -> Option<Vec<TokenId>> {
-    match prompt_input(body)? {
+/// pieces seen before (a shared system prompt, earlier turns) come from `cache`. `seen`:
+/// what the routing pass read of the prompt (`body` is read again only when that is
+/// [`SeenPrompt::Unknown`]).
+pub fn prompt_token_ids(
+    body: &[u8],
+    seen: SeenPrompt,
+    tokenizer: &ModelTokenizer,
+    cache: &PieceCache,
+) -> Option<Vec<TokenId>> {
+    let input = match seen {
+        SeenPrompt::Known(input) => input,
+        SeenPrompt::Unknown => prompt_input(body),
+    };
+    match input? {
         PromptInput::Chat(messages) => Some(tokenizer.encode_cached(&tokenizer.render(&messages).ok()?, cache)),
         PromptInput::Text(text) => Some(tokenizer.encode_cached(&text, cache)),
         PromptInput::Ids(ids) => Some(ids),
