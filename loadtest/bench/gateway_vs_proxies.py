@@ -12,8 +12,9 @@ Upstream: `switchyard-engine --sim-profile instant` (zero-time steps). The proxi
   docker/Dockerfile builds it; the first run builds it, ~9 minutes cold), and the same
   gateway with the other thread model (`work_stealing` flipped) as a reported comparison.
 
-Measured, rounds alternating the targets, medians of rounds (back-to-back runs of one binary
-on this shared 2-core VM differ by ±15%):
+Measured in 5 rounds, each taking the targets in turn (rotated one place a round, so each
+target runs once in every position), medians of rounds (back-to-back runs of one binary on
+this shared 2-core VM differ by ±15%; the round-by-round ratios are printed too):
 1. saturation with `wrk` (64 keep-alive connections, 2 threads): requests/s of short
    streamed completions (16 in / 16 out), and each proxy's CPU per request (user and
    system, from /proc: what the proxy costs, whatever the other processes do);
@@ -93,11 +94,12 @@ def pids_of(name, p):
 
 
 def saturate_wrk(targets, servers, body, rounds_n, seconds):
-    """wrk requests/s and CPU µs per request (user, system) of each proxy, medians of rounds."""
+    """wrk requests/s and CPU µs per request (user, system) of each proxy, medians of rounds,
+    and the requests/s of every round."""
     rps = {name: [] for name, _ in targets}
     cpu = {name: [] for name, _ in targets}
-    for _ in range(rounds_n):
-        for name, url in targets:
+    for r in range(rounds_n):
+        for name, url in procs.in_turn(targets, r):
             pids = pids_of(name, servers[name]) if name in servers else []
             before = procs.cpu_seconds(pids)
             t0 = time.time()
@@ -109,19 +111,20 @@ def saturate_wrk(targets, servers, body, rounds_n, seconds):
                 n = r * wall
                 cpu[name].append(((after[0] - before[0]) / n * 1e6, (after[1] - before[1]) / n * 1e6))
     cpu_med = {k: (median([u for u, _ in v]), median([s for _, s in v])) for k, v in cpu.items() if v}
-    return {k: median(v) for k, v in rps.items()}, cpu_med
+    return {k: median(v) for k, v in rps.items()}, cpu_med, rps
 
 
 def saturate_loadtest(targets, rounds_n, seconds):
+    """switchyard-loadtest requests/s of each target, medians of rounds, and every round's."""
     per = {name: [] for name, _ in targets}
     for r in range(rounds_n):
-        for t in targets:
+        for t in procs.in_turn(targets, r):
             x = procs.loadtest(f"saturation-{r}-{t[0]}", [t], "--concurrency", "64", "--duration-s", seconds,
                                "--warmup", "200", "--prewarm-connections", "64")[t[0]]
             if x.get("failed", 0):
                 raise procs.SetupError(f"{t[0]}: {x['failed']} failed requests; see {procs.WORK}")
             per[t[0]].append(x["requests_per_s"])
-    return {k: median(v) for k, v in per.items()}
+    return {k: median(v) for k, v in per.items()}, per
 
 
 def open_streams_rss(gateway_config, binary, alt_config):
@@ -147,7 +150,7 @@ def open_streams_rss(gateway_config, binary, alt_config):
 
 def main():
     args = parse_args()
-    seconds, rounds_n = (3, 1) if args.quick else (6, 3)
+    seconds, rounds_n = (3, 1) if args.quick else (6, 5)
     procs.prepare([("nginx", "nginx-light"), ("wrk", "wrk")])
     binary = args.gateway_bin or build_dist_gateway()
     gw_config = args.gateway_config
@@ -169,8 +172,8 @@ def main():
     servers["gateway-alt"], urls["gateway-alt"] = procs.start_gateway("gateway-alt", fast, alt_config, binary, events)
     targets = [("direct", fast)] + [(n, urls[n]) for n in PROXIES]
 
-    wrk_rps, cpu = saturate_wrk(targets, servers, body, rounds_n, seconds)
-    lt_rps = saturate_loadtest(targets, rounds_n, str(seconds))
+    wrk_rps, cpu, wrk_rounds = saturate_wrk(targets, servers, body, rounds_n, seconds)
+    lt_rps, lt_rounds = saturate_loadtest(targets, rounds_n, str(seconds))
     half = 0.5 * min(lt_rps[n] for n in PROXIES)
     lat = procs.half_load(targets, rounds_n, str(seconds), half, "--prewarm-connections", "64")
     mem = open_streams_rss(gw_config, binary, alt_config)
@@ -201,6 +204,9 @@ def main():
     faster = "gateway" if wrk_rps["gateway"] >= wrk_rps["gateway-alt"] else "gateway-alt"
     print(f"\nthread model: {models[ws]} (default) {wrk_rps['gateway']:.0f} vs {models[not ws]} "
           f"{wrk_rps['gateway-alt']:.0f} req/s (wrk); faster: {models[ws] if faster == 'gateway' else models[not ws]}")
+    for tool, per in [("wrk", wrk_rounds), ("switchyard-loadtest", lt_rounds)]:
+        ratios = " ".join(f"{g / n:.2f}" for g, n in zip(per["gateway"], per["nginx"]))
+        print(f"gateway ÷ nginx round by round ({tool}): {ratios}")
     print(f"(reports under {procs.WORK})")
 
     bars = Bars()

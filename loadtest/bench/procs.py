@@ -270,15 +270,23 @@ def median(xs):
     return xs[len(xs) // 2]
 
 
+def in_turn(targets, r):
+    """Round `r`'s order of `targets`: rotated by one each round, so over as many rounds as
+    targets each runs once in every position (a slow stretch of the machine falls on each
+    alike, not on whoever always runs after the same neighbour)."""
+    k = r % len(targets)
+    return targets[k:] + targets[:k]
+
+
 def measure(targets, rounds_n, duration, half_of, *extra):
     """Saturation requests/s (64 concurrent, closed loop), then e2e/TTFT p50/p99 at half the
     lowest saturation rate among `half_of` (Poisson). Rounds alternate the targets and each
     figure is the median over rounds: on a shared 2-core machine, back-to-back runs of the
-    same target vary by ±15%. Returns (rps by target, the half rate, latencies by target)."""
+    same target vary by ±15%. Each round takes the targets in turn (`in_turn`). Returns (rps by target, the half rate, latencies by target)."""
     def rounds(out, *args):
         per = {name: [] for name, _ in targets}
         for r in range(rounds_n):
-            for t in targets:
+            for t in in_turn(targets, r):
                 per[t[0]].append(loadtest(f"{out}-{r}-{t[0]}", [t], *extra, *args)[t[0]])
         return per
 
@@ -297,7 +305,7 @@ def half_load(targets, rounds_n, duration, rate, *extra):
     """e2e/TTFT p50/p99 of each target at `rate` requests/s (Poisson), medians of rounds."""
     per = {name: [] for name, _ in targets}
     for r in range(rounds_n):
-        for t in targets:
+        for t in in_turn(targets, r):
             per[t[0]].append(loadtest(f"half-load-{r}-{t[0]}", [t], *extra, "--rate", f"{rate:.1f}",
                                       "--duration-s", duration, "--warmup", "100")[t[0]])
     return {k: {m: {q: median([x[m][q] for x in v]) for q in ["p50", "p99"]} for m in ["e2e_ms", "ttft_ms"]}
