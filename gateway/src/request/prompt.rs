@@ -503,17 +503,17 @@ impl<'de, S: PromptSink> Visitor<'de> for Message<'_, S> {
                 }
             }
         }
-        if let Some(chat) = self.chat {
-            match (&role, roles, contents <= 1 && plain) {
-                (Some(r), 1, true) => chat.push(ChatMessage { role: r.clone(), content: self.content.clone() }),
-                _ => *self.chat = None,
-            }
-        }
         self.out.put("<|");
         self.out.put(role.as_deref().unwrap_or(""));
         self.out.put("|>\n");
         self.out.put(self.content);
         self.out.put("\n");
+        if let Some(chat) = self.chat {
+            match (role, roles, contents <= 1 && plain) {
+                (Some(role), 1, true) => chat.push(ChatMessage { role, content: self.content.clone() }),
+                _ => *self.chat = None,
+            }
+        }
         Ok(())
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
