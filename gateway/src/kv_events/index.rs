@@ -22,11 +22,10 @@
 //! `gateway/tests/kv_index_memory.rs` with a counting allocator) and bounded: past
 //! `max_bytes` the least recently stored or matched blocks go first.
 
-use std::collections::BTreeMap;
-
 // Keyed with a per-process seed, a few instructions per lookup where SipHash takes ~140: the
 // keys are hashes already, and the subscriber looks up several per event.
-use foldhash::{HashMap, HashMapExt};
+use foldhash::HashMap;
+use lru::LruCache;
 
 use super::wire::{Event, EventBatch};
 
@@ -132,18 +131,10 @@ struct Engine {
     stats: EngineStats,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Entry {
-    /// Bit `s`: engine slot `s` holds the block.
-    holders: u64,
-    /// When last stored or matched (the LRU order).
-    tick: u64,
-}
-
-/// Bytes one block key costs: its `HashMap` slot (at the map's 7/8 load factor, plus a
-/// control byte) and its `BTreeMap` LRU element (nodes about 2/3 full). Checked against a
-/// counting allocator in `gateway/tests/kv_index_memory.rs`.
-pub const BYTES_PER_BLOCK: usize = 72;
+/// Bytes one block key costs: its list node in the LRU (key, holders, two links: 32) and its
+/// map slot (a pointer each way, plus a control byte, in a table between 7/16 and 7/8 full).
+/// Checked against a counting allocator in `gateway/tests/kv_index_memory.rs`.
+pub const BYTES_PER_BLOCK: usize = 64;
 /// Bytes one engine-hash mapping costs (a `HashMap<u64, u64>` slot at 7/8 load).
 pub const BYTES_PER_MAPPING: usize = 24;
 
@@ -152,10 +143,10 @@ pub const BYTES_PER_MAPPING: usize = 24;
 pub struct KvIndex {
     block_size: usize,
     max_bytes: usize,
-    blocks: HashMap<BlockKey, Entry>,
-    lru: BTreeMap<u64, BlockKey>,
+    /// Per block key: bit `s` set when engine slot `s` holds it; least recently stored or
+    /// matched first (a map into a linked list: a use moves a block to the back in O(1)).
+    blocks: LruCache<BlockKey, u64, foldhash::fast::RandomState>,
     engines: Vec<Option<Engine>>,
-    tick: u64,
 }
 
 impl KvIndex {
@@ -164,10 +155,8 @@ impl KvIndex {
         KvIndex {
             block_size: block_size.max(1),
             max_bytes,
-            blocks: HashMap::new(),
-            lru: BTreeMap::new(),
+            blocks: LruCache::unbounded_with_hasher(foldhash::fast::RandomState::default()),
             engines: (0..MAX_ENGINES).map(|_| None).collect(),
-            tick: 0,
         }
     }
 
@@ -237,7 +226,7 @@ impl KvIndex {
     /// `slot` holds.
     pub fn matched_blocks(&self, slot: EngineSlot, keys: &[BlockKey]) -> usize {
         let bit = 1u64 << slot;
-        keys.iter().take_while(|k| self.blocks.get(k).is_some_and(|e| e.holders & bit != 0)).count()
+        keys.iter().take_while(|k| self.blocks.peek(k).is_some_and(|h| h & bit != 0)).count()
     }
 
     /// The engine's own hashes of the blocks the index says the engine in `slot` holds (to
@@ -245,12 +234,7 @@ impl KvIndex {
     pub fn held_engine_hashes(&self, slot: EngineSlot) -> std::collections::HashSet<u64> {
         let bit = 1u64 << slot;
         let Some(Some(engine)) = self.engines.get(slot as usize) else { return Default::default() };
-        engine
-            .keys
-            .iter()
-            .filter(|(_, k)| self.blocks.get(k).is_some_and(|e| e.holders & bit != 0))
-            .map(|(h, _)| *h)
-            .collect()
+        engine.keys.iter().filter(|(_, k)| self.blocks.peek(k).is_some_and(|h| h & bit != 0)).map(|(h, _)| *h).collect()
     }
 
     /// Count `keys` as just used (the prefix a request was routed on): they are evicted last.
@@ -263,13 +247,9 @@ impl KvIndex {
     /// Make `key` the most recently used, adding the holders in `bits`; false when the
     /// index has no entry for it.
     fn bump(&mut self, key: BlockKey, bits: u64) -> bool {
-        self.tick += 1;
-        let tick = self.tick;
-        let Some(e) = self.blocks.get_mut(&key) else { return false };
-        self.lru.remove(&e.tick);
-        e.holders |= bits;
-        e.tick = tick;
-        self.lru.insert(tick, key);
+        // `get_mut` moves the entry to the back of the order.
+        let Some(holders) = self.blocks.get_mut(&key) else { return false };
+        *holders |= bits;
         true
     }
 
@@ -297,7 +277,7 @@ impl KvIndex {
                 for (h, tokens) in block_hashes.iter().zip(token_ids.chunks_exact(bs)) {
                     let key = block_key(parent, tokens);
                     let newly = self.engine(slot).keys.insert(*h, key) != Some(key)
-                        || self.blocks.get(&key).is_none_or(|e| e.holders & bit == 0);
+                        || self.blocks.peek(&key).is_none_or(|h| h & bit == 0);
                     if newly {
                         self.engine(slot).stats.held_blocks += 1;
                     }
@@ -311,7 +291,7 @@ impl KvIndex {
                 }
                 for h in block_hashes {
                     let Some(&key) = self.engine(slot).keys.get(h) else { continue };
-                    if self.blocks.get(&key).is_some_and(|e| e.holders & bit != 0) {
+                    if self.blocks.peek(&key).is_some_and(|h| h & bit != 0) {
                         self.unhold(key, bit);
                         let stats = &mut self.engine(slot).stats;
                         stats.held_blocks = stats.held_blocks.saturating_sub(1);
@@ -324,18 +304,17 @@ impl KvIndex {
 
     fn hold(&mut self, key: BlockKey, bit: u64) {
         if !self.bump(key, bit) {
-            self.blocks.insert(key, Entry { holders: bit, tick: self.tick });
-            self.lru.insert(self.tick, key);
+            self.blocks.put(key, bit);
         }
     }
 
+    /// The engine's bit off `key` (its place in the order unchanged); a block no engine
+    /// holds is dropped.
     fn unhold(&mut self, key: BlockKey, bit: u64) {
-        if let Some(e) = self.blocks.get_mut(&key) {
-            e.holders &= !bit;
-            if e.holders == 0 {
-                let tick = e.tick;
-                self.blocks.remove(&key);
-                self.lru.remove(&tick);
+        if let Some(holders) = self.blocks.peek_mut(&key) {
+            *holders &= !bit;
+            if *holders == 0 {
+                self.blocks.pop(&key);
             }
         }
     }
@@ -350,12 +329,11 @@ impl KvIndex {
         let target = self.max_bytes / 8 * 7;
         let mut charge = self.charged_bytes();
         while charge > target {
-            let Some((_, key)) = self.lru.pop_first() else { break };
-            let Some(entry) = self.blocks.remove(&key) else { continue };
+            let Some((_, holders)) = self.blocks.pop_lru() else { break };
             // The block and (about) one mapping per engine that held it.
-            charge = charge.saturating_sub(BYTES_PER_BLOCK + entry.holders.count_ones() as usize * BYTES_PER_MAPPING);
+            charge = charge.saturating_sub(BYTES_PER_BLOCK + holders.count_ones() as usize * BYTES_PER_MAPPING);
             for slot in 0..MAX_ENGINES {
-                if entry.holders & (1 << slot) != 0 {
+                if holders & (1 << slot) != 0 {
                     if let Some(engine) = self.engines[slot].as_mut() {
                         engine.stats.held_blocks = engine.stats.held_blocks.saturating_sub(1);
                     }
@@ -364,7 +342,7 @@ impl KvIndex {
         }
         let blocks = &self.blocks;
         for engine in self.engines.iter_mut().flatten() {
-            engine.keys.retain(|_, k| blocks.contains_key(k));
+            engine.keys.retain(|_, k| blocks.contains(k));
         }
     }
 }
