@@ -3,7 +3,7 @@
 second gateway build) in front of the same `instant` engine, alternating `wrk` rounds, each
 round's requests/s and the CPU per request of every process taking part.
 
-The proxy benchmark (`gateway_vs_proxies.py`) reports medians of three rounds; on a 2-core VM
+The proxy benchmark (`gateway_vs_proxies.py`) reports medians of rounds; on a 2-core VM
 whose speed moves between rounds that cannot resolve a few percent. This prints every round
 side by side (the round-by-round ratio is the figure to read), and per request: the engine's,
 the proxy's and wrk's CPU (user + system, µs, from /proc and wrk's rusage) and the share of

@@ -12,9 +12,11 @@ Upstream: `switchyard-engine --sim-profile instant` (zero-time steps). The proxi
   docker/Dockerfile builds it; the first run builds it, ~9 minutes cold), and the same
   gateway with the other thread model (`work_stealing` flipped) as a reported comparison.
 
-Measured in 5 rounds, each taking the targets in turn (rotated one place a round, so each
-target runs once in every position), medians of rounds (back-to-back runs of one binary on
-this shared 2-core VM differ by ±15%; the round-by-round ratios are printed too):
+Measured in 10 rounds of 4 s, each taking the targets in turn (rotated one place a round, so
+each target runs twice in every position), medians of rounds (back-to-back runs of one binary
+on this shared 2-core VM differ by ±15%, and one round's gateway ÷ NGINX ratio swings
+0.8–1.4×: many short rounds give a steadier median than a few long ones in the same time;
+the round-by-round ratios are printed too):
 1. saturation with `wrk` (64 keep-alive connections, 2 threads): requests/s of short
    streamed completions (16 in / 16 out), and each proxy's CPU per request (user and
    system, from /proc: what the proxy costs, whatever the other processes do);
@@ -34,7 +36,8 @@ streams < 100 MB. Prints the figures, then each bar with its measured value; exi
 bar is missed, 2 when it could not measure.
 
 Usage: python3 loadtest/bench/gateway_vs_proxies.py [--quick] [--kv-events] [--gateway-bin PATH]
-       [--gateway-config YAML]   (e.g. --gateway-config 'policy: { type: least_load }')
+       [--gateway-config YAML] [--rounds N] [--seconds S]
+       (e.g. --gateway-config 'policy: { type: least_load }'; default 10 rounds of 4 s, ~15 minutes)
 """
 import argparse
 import json
@@ -60,6 +63,8 @@ def parse_args(argv=None):
                     help="benchmark this gateway binary instead of the dist build (e.g. an older build, before/after)")
     ap.add_argument("--gateway-config", default="",
                     help="YAML lines added to the gateway's configuration (default: none, its defaults)")
+    ap.add_argument("--rounds", type=int, default=10, help="rounds of every measurement (default 10)")
+    ap.add_argument("--seconds", type=int, default=4, help="seconds of each target's run in a round (default 4)")
     ap.add_argument("--kv-events", action="store_true",
                     help="precise routing on: the engine publishes KV events, the gateways tokenize every request")
     return ap.parse_args(argv)
@@ -150,7 +155,9 @@ def open_streams_rss(gateway_config, binary, alt_config):
 
 def main():
     args = parse_args()
-    seconds, rounds_n = (3, 1) if args.quick else (6, 5)
+    if args.rounds < 1 or args.seconds < 1:
+        raise procs.SetupError("--rounds and --seconds must be at least 1")
+    seconds, rounds_n = (3, 1) if args.quick else (args.seconds, args.rounds)
     procs.prepare([("nginx", "nginx-light"), ("wrk", "wrk")])
     binary = args.gateway_bin or build_dist_gateway()
     gw_config = args.gateway_config

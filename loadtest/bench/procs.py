@@ -266,8 +266,10 @@ def family(pid):
 
 
 def median(xs):
+    """The middle value of `xs`; for an even count, the mean of the middle two."""
     xs = sorted(xs)
-    return xs[len(xs) // 2]
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
 def in_turn(targets, r):
