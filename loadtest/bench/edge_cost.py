@@ -22,6 +22,7 @@ Usage: python3 loadtest/bench/edge_cost.py [--quick] [--gateway-config YAML] [--
 (`--gateway-config`: lines added to both gateways' configs, e.g. `work_stealing: true`;
 `--rounds`: default 9)
 """
+import argparse
 import hashlib
 import os
 import re
@@ -127,12 +128,17 @@ def handshakes_per_s(port, seconds):
 
 
 def main():
-    quick = "--quick" in sys.argv
-    extra = sys.argv[sys.argv.index("--gateway-config") + 1] + "\n" if "--gateway-config" in sys.argv else ""
-    duration = "3"
-    rounds_n = 1 if quick else int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 9
-    if rounds_n < 1:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1 round (a smoke run, not the benchmark)")
+    ap.add_argument("--gateway-config", default="", help="YAML lines added to both gateways' configs")
+    ap.add_argument("--rounds", type=int, default=9, help="rounds of 3 s (default 9)")
+    args = ap.parse_args()
+    if args.rounds < 1:
         raise SetupError("--rounds must be at least 1")
+    quick = args.quick
+    extra = args.gateway_config + "\n" if args.gateway_config else ""
+    duration = "3"
+    rounds_n = 1 if quick else args.rounds
     subprocess.run(["cargo", "build", "--release", "--locked", "-p", "switchyard-engine", "-p", "switchyard-gateway",
                     "-p", "switchyard-loadtest"], cwd=ROOT, check=True)
     shutil.rmtree(WORK, ignore_errors=True)

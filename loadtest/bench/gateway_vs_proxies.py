@@ -37,7 +37,7 @@ bar is missed, 2 when it could not measure.
 
 Usage: python3 loadtest/bench/gateway_vs_proxies.py [--quick] [--kv-events] [--gateway-bin PATH]
        [--gateway-config YAML] [--rounds N] [--seconds S]
-       (e.g. --gateway-config 'policy: { type: least_load }'; default 10 rounds of 4 s, ~15 minutes)
+       (e.g. --gateway-config 'policy: { type: least_load }'; default 10 rounds of 4 s, ~11 minutes)
 """
 import argparse
 import json
