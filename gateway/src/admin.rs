@@ -15,8 +15,10 @@ use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
 use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
 
-use crate::auth::{bearer, key_digest, parse_sha256};
+use crate::auth::{bearer, key_digest};
+use crate::config::auth::parse_sha256;
 use crate::http::{respond, respond_headers};
+use crate::kv_events::prompt::PromptTokenizer;
 use crate::state::GatewayState;
 
 /// The admin app.
@@ -73,13 +75,7 @@ impl AdminApp {
                 })
             })
             .collect();
-        let tokenizer = self.state.kv_events.as_ref().filter(|k| k.tokenizer.is_some()).map(|k| {
-            let (hits, misses) = k.pieces.counts();
-            serde_json::json!({
-                "piecewise": !k.pieces.is_off(), "cache_hits": hits, "cache_misses": misses,
-                "cache_bytes": k.pieces.bytes(),
-            })
-        });
+        let tokenizer = self.state.prompt_tokenizer.as_ref().map(PromptTokenizer::describe);
         let shared_limits = self
             .state
             .shared_limits

@@ -31,6 +31,17 @@ use crate::config::HealthConfig;
 use crate::ewma::Ewma;
 use crate::policy::{Candidate, SignalView};
 
+/// One backend's series that every request touches, looked up once instead of by label
+/// values per request (a hash and a lock each time); made by
+/// [`GatewayMetrics::of`](crate::metrics::GatewayMetrics::of).
+#[derive(Debug)]
+pub struct BackendSeries {
+    /// `switchyard_ttft_seconds{backend}`.
+    pub ttft: prometheus::Histogram,
+    /// `switchyard_requests_total{backend, code="200"}`.
+    pub ok: prometheus::IntCounter,
+}
+
 /// What the scraper last learned about a backend.
 #[derive(Debug, Clone, Default)]
 pub struct Scraped {
@@ -141,7 +152,7 @@ pub struct Backend {
     /// The average behind it.
     prefill_rate: Mutex<Option<Ewma>>,
     /// This backend's per-request series, resolved once ([`crate::metrics::GatewayMetrics::of`]).
-    pub series: OnceLock<crate::metrics::BackendSeries>,
+    pub series: OnceLock<BackendSeries>,
 }
 
 impl Backend {

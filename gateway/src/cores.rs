@@ -39,8 +39,6 @@ use pingora::services::background::BackgroundService;
 use prometheus::{IntGauge, IntGaugeVec};
 use tokio::sync::mpsc;
 
-use crate::connection::Edge;
-
 /// How long a TLS handshake may take (pingora's listener allows the same).
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long to wait before accepting again when the process is out of file descriptors
@@ -90,15 +88,16 @@ struct Core {
 /// The API listener's cores, set up (runtimes built, the socket registered with each) and
 /// waiting for pingora to start its services: [`BackgroundService::start`] starts their
 /// threads then, beside the scraper and discovery, and hands them pingora's shutdown watch.
-pub struct Cores {
+/// `A` serves each connection ([`crate::connection::Edge`]).
+pub struct Cores<A> {
     ready: Mutex<Vec<Core>>,
     handles: Vec<tokio::runtime::Handle>,
     balance: Arc<Balance>,
-    edge: Arc<Edge>,
+    edge: Arc<A>,
     tls: Option<Arc<Acceptor>>,
 }
 
-impl Cores {
+impl<A: ServerApp + Send + Sync + 'static> Cores<A> {
     /// `cores` single-threaded runtimes, each with its own `dup` of `socket` registered with
     /// its reactor, serving connections through `edge` (after a TLS handshake by `tls`, when
     /// given) and counting them in `open` (a gauge per core). Fails when a runtime or a
@@ -106,7 +105,7 @@ impl Cores {
     pub fn new(
         socket: TcpListener,
         cores: usize,
-        edge: Arc<Edge>,
+        edge: Arc<A>,
         tls: Option<Arc<Acceptor>>,
         open: &IntGaugeVec,
     ) -> anyhow::Result<Self> {
@@ -142,7 +141,7 @@ impl Cores {
 }
 
 #[async_trait]
-impl BackgroundService for Cores {
+impl<A: ServerApp + Send + Sync + 'static> BackgroundService for Cores<A> {
     async fn start(&self, shutdown: ShutdownWatch) {
         let ready = std::mem::take(&mut *self.ready.lock());
         for (me, core) in ready.into_iter().enumerate() {
@@ -181,14 +180,14 @@ enum Next {
 }
 
 /// What one core serves with.
-struct Serving {
+struct Serving<A> {
     me: usize,
     balance: Arc<Balance>,
-    edge: Arc<Edge>,
+    edge: Arc<A>,
     tls: Option<Arc<Acceptor>>,
 }
 
-impl Serving {
+impl<A: ServerApp + Send + Sync + 'static> Serving<A> {
     /// Accept (and take connections handed over) until shutdown; then only take those
     /// handed over, while the connections still open finish on this runtime until they end
     /// or the process exits (the drain decides when).
@@ -272,10 +271,10 @@ impl Serving {
 }
 
 /// One client connection, from the accepted socket to its last request.
-async fn serve(
+async fn serve<A: ServerApp + Send + Sync + 'static>(
     socket: tokio::net::TcpStream,
     peer: SocketAddr,
-    edge: &Arc<Edge>,
+    edge: &Arc<A>,
     tls: Option<&Acceptor>,
     shutdown: &ShutdownWatch,
 ) {

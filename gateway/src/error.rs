@@ -125,11 +125,6 @@ pub enum ProxyError {
     /// The model exists but no backend can take the request now (503).
     #[error("no backend available for model `{0}`")]
     NoBackend(String),
-    /// The Endpoint Picker sheds a request its admission queue could not place: the queue
-    /// was full, or no engine could take it within `admission.max_wait_ms` (429, as GIE's
-    /// protocol asks).
-    #[error("no engine for model `{0}` could take the request in time; retry shortly")]
-    Shed(String),
     /// Every attempt failed to reach an engine (502). The detail (an engine's address, the
     /// OS error) is for the logs ([`ProxyError::log_detail`]); the client's body says only
     /// that no engine could be reached.
@@ -272,7 +267,7 @@ impl ProxyError {
             ProxyError::Upstream(_) => 502,
             ProxyError::UpstreamTimeout(_) => 504,
             ProxyError::Unauthorized(_) => 401,
-            ProxyError::RateLimited { .. } | ProxyError::TenantQueueFull { .. } | ProxyError::Shed(_) => 429,
+            ProxyError::RateLimited { .. } | ProxyError::TenantQueueFull { .. } => 429,
             ProxyError::HeaderTooLarge(_) => 431,
             ProxyError::StreamBroken(_) => 502,
         }
@@ -290,7 +285,6 @@ impl ProxyError {
             ProxyError::NoRoute(_) => "no_route",
             ProxyError::MethodNotAllowed(_) => "method_not_allowed",
             ProxyError::NoBackend(_) => "no_backend",
-            ProxyError::Shed(_) => "shed",
             ProxyError::Upstream(_) => "upstream_error",
             ProxyError::UpstreamTimeout(_) => "upstream_timeout",
             ProxyError::Unauthorized(_) => "unauthorized",
@@ -342,13 +336,16 @@ impl ProxyError {
         format!("data: {}\n\n", self.body())
     }
 
+    /// Whether the gateway refuses the request on its own account (a key's limits, the
+    /// process-wide body buffer): counted in `switchyard_rejected_total` besides being answered.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, ProxyError::RateLimited { .. } | ProxyError::TenantQueueFull { .. } | ProxyError::BodyBufferFull)
+    }
+
     /// Seconds a client should wait before retrying (503, 429).
     pub fn retry_after_secs(&self) -> Option<u64> {
         match self {
-            ProxyError::NoBackend(_)
-            | ProxyError::BodyBufferFull
-            | ProxyError::TenantQueueFull { .. }
-            | ProxyError::Shed(_) => Some(1),
+            ProxyError::NoBackend(_) | ProxyError::BodyBufferFull | ProxyError::TenantQueueFull { .. } => Some(1),
             ProxyError::RateLimited { retry_after_secs, .. } => Some(*retry_after_secs),
             _ => None,
         }

@@ -1,7 +1,7 @@
 //! The request path the fuzzer drives (`gateway/fuzz`, `scripts/fuzz.sh`) and the
 //! regression test replays (`gateway/tests/fuzz_regressions.rs`): everything the gateway
 //! does with client bytes before an engine sees them, minus the sockets — the same
-//! functions the proxy calls ([`crate::proxy::plan_request`] among them), not a copy.
+//! functions the proxy calls ([`crate::proxy::plan::plan_request`] among them), not a copy.
 //! Built only with the `fuzzing` feature.
 //!
 //! Input layout: the bytes up to the first `\0` are a request head (read by the gateway's
@@ -15,14 +15,15 @@
 
 use bytes::BytesMut;
 
-use crate::auth::{ApiKeyConfig, Authenticator};
+use crate::active::Active;
+use crate::auth::Authenticator;
+use crate::config::ApiKeyConfig;
 use crate::config::GatewayConfig;
 use crate::downstream::RequestHead;
 use crate::policy::{Candidate, PolicyConfig, RouteInput};
 use crate::prefix::PrefixTracker;
-use crate::proxy::plan_request;
+use crate::proxy::plan::plan_request;
 use crate::request::{canonical_prompt, canonical_prompt_from_tree, UsageMeter};
-use crate::state::Active;
 
 /// The config the fuzz target plans under: one backend serving `m`, the default `cost`
 /// policy, a priority header, small prefix blocks.

@@ -24,6 +24,7 @@
 //! uses.
 
 pub(crate) mod access_log;
+pub(crate) mod active;
 pub(crate) mod admin;
 pub(crate) mod admission;
 pub mod aliases;
@@ -41,6 +42,7 @@ pub(crate) mod drain;
 pub(crate) mod epp;
 pub mod error;
 pub(crate) mod ewma;
+pub(crate) mod framing;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub(crate) mod http;

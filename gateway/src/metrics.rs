@@ -9,7 +9,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-use crate::cluster::{Backend, BackendState, ClusterView};
+use crate::cluster::{Backend, BackendSeries, BackendState, ClusterView};
 
 /// Latency buckets (seconds) for TTFT and request duration.
 pub const LATENCY_BUCKETS: &[f64] = &[
@@ -80,16 +80,6 @@ pub struct GatewayMetrics {
     up: IntGaugeVec,
 }
 
-/// One backend's series that every request touches, looked up once instead of by label
-/// values per request (a hash and a lock each time).
-#[derive(Debug)]
-pub struct BackendSeries {
-    /// `switchyard_ttft_seconds{backend}`.
-    pub ttft: Histogram,
-    /// `switchyard_requests_total{backend, code="200"}`.
-    pub ok: IntCounter,
-}
-
 impl GatewayMetrics {
     /// `backend`'s per-request series (resolved on its first request).
     pub fn of<'a>(&self, backend: &'a Backend) -> &'a BackendSeries {
@@ -108,163 +98,67 @@ impl GatewayMetrics {
 
     /// Create and register every series in `registry`.
     pub fn new(registry: Registry) -> prometheus::Result<Self> {
+        let r = &registry;
+        let ratio_buckets = vec![0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0];
+        let wait_buckets = vec![0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
         let m = GatewayMetrics {
-            requests: IntCounterVec::new(
-                Opts::new("switchyard_requests_total", "Requests by backend and status."),
-                &["backend", "code"],
-            )?,
-            duration: Histogram::with_opts(
-                HistogramOpts::new("switchyard_request_duration_seconds", "Request duration at the gateway.")
-                    .buckets(LATENCY_BUCKETS.to_vec()),
-            )?,
-            ttft: HistogramVec::new(
+            requests: counter_vec(r, "switchyard_requests_total", "Requests by backend and status.", &["backend", "code"])?,
+            duration: histogram(r, "switchyard_request_duration_seconds", "Request duration at the gateway.", LATENCY_BUCKETS.to_vec())?,
+            ttft: register(r, HistogramVec::new(
                 HistogramOpts::new("switchyard_ttft_seconds", "Arrival to first response chunk from the engine.")
                     .buckets(LATENCY_BUCKETS.to_vec()),
                 &["backend"],
-            )?,
-            decisions: IntCounterVec::new(
-                Opts::new("switchyard_routing_decisions_total", "Routing decisions by policy and reason."),
-                &["policy", "reason"],
-            )?,
-            retries: IntCounter::new("switchyard_retries_total", "Attempts retried on another backend.")?,
-            upstream_errors: IntCounterVec::new(
-                Opts::new("switchyard_upstream_errors_total", "Upstream failures by kind."),
-                &["kind"],
-            )?,
-            config_reloads: IntCounterVec::new(
-                Opts::new("switchyard_config_reloads_total", "Config reloads by result."),
-                &["result"],
-            )?,
-            prefix_match_ratio: Histogram::with_opts(
-                HistogramOpts::new(
-                    "switchyard_prefix_match_ratio",
-                    "Share of the prompt's blocks the chosen backend probably had cached.",
-                )
-                .buckets(vec![0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]),
-            )?,
-            prefix_index_bytes: IntGauge::new(
-                "switchyard_prefix_index_bytes",
-                "Memory charged by the gateway's prefix index.",
-            )?,
-            queue_depth: IntGauge::new(
-                "switchyard_queue_depth",
-                "Requests held in the admission queue while no engine can take them.",
-            )?,
-            queue_wait: Histogram::with_opts(
-                HistogramOpts::new("switchyard_queue_wait_seconds", "Time spent in the admission queue.")
-                    .buckets(vec![0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]),
-            )?,
-            rejected: IntCounterVec::new(
-                Opts::new("switchyard_rejected_total", "Requests refused by the gateway, by reason and tenant."),
-                &["reason", "tenant"],
-            )?,
-            certificate_reloads: IntCounterVec::new(
-                Opts::new("switchyard_certificate_reloads_total", "TLS certificate rotations by result."),
-                &["result"],
-            )?,
-            header_timeouts: IntCounter::new(
-                "switchyard_header_timeouts_total",
-                "Connections closed because a request header did not arrive within limits.header_read_timeout_ms.",
-            )?,
-            client_connections: IntGauge::new(
-                "switchyard_client_connections",
-                "Client connections open on the API listener (limits.max_connections caps it).",
-            )?,
-            core_connections: IntGaugeVec::new(
-                Opts::new(
-                    "switchyard_core_client_connections",
-                    "Client connections served by each core (work_stealing: false; a new one goes to the core with fewest).",
-                ),
-                &["core"],
-            )?,
-            connections_refused: IntCounter::new(
-                "switchyard_connections_refused_total",
-                "Client connections closed at accept because limits.max_connections were open.",
-            )?,
-            idle_connections_closed: IntCounter::new(
-                "switchyard_idle_connections_closed_total",
-                "HTTP/1 keep-alive connections closed after limits.idle_connection_timeout_ms without a request.",
-            )?,
-            epp_protocol_errors: IntCounter::new(
-                "switchyard_epp_protocol_errors_total",
-                "ext_proc streams the Endpoint Picker ended for a message out of protocol order",
-            )?,
-            epp_streams: IntGauge::new("switchyard_epp_streams", "ext_proc streams the Endpoint Picker has open.")?,
-            alias_requests: IntCounterVec::new(
-                Opts::new("switchyard_alias_requests_total", "Requests for a model alias, by the target chosen."),
-                &["alias", "target"],
-            )?,
-            kv_event_batches: IntCounterVec::new(
-                Opts::new("switchyard_kv_events_batches_total", "Engine KV-event batches applied to the index."),
-                &["backend"],
-            )?,
-            kv_event_gaps: IntCounterVec::new(
-                Opts::new(
-                    "switchyard_kv_events_gaps_total",
-                    "Sequence gaps in an engine's KV events: closed by a replay, or the engine's entries forgotten.",
-                ),
-                &["backend", "outcome"],
-            )?,
-            kv_index_bytes: IntGauge::new(
-                "switchyard_kv_index_bytes",
-                "Memory charged by the precise KV index (kv_events.max_bytes bounds it).",
-            )?,
-            shared_limits_unavailable: IntCounterVec::new(
-                Opts::new(
-                    "switchyard_shared_limits_unavailable_total",
-                    "Tenant limit decisions taken without Redis (auth.shared_limits): local (limit / replicas), open, closed; settle_lost: a token settlement that did not reach Redis.",
-                ),
-                &["decision"],
-            )?,
-            buffered_body_bytes: IntGauge::new(
-                "switchyard_buffered_body_bytes",
-                "Request body bytes held by the gateway now (limits.max_buffered_body_bytes caps it).",
-            )?,
-            inflight: IntGaugeVec::new(
-                Opts::new("switchyard_backend_inflight", "Requests in flight per backend."),
-                &["backend"],
-            )?,
-            waiting: GaugeVec::new(
-                Opts::new("switchyard_backend_waiting", "Scraped waiting requests per backend."),
-                &["backend"],
-            )?,
-            kv_usage: GaugeVec::new(
-                Opts::new("switchyard_backend_kv_usage", "Scraped KV cache usage per backend."),
-                &["backend"],
-            )?,
-            up: IntGaugeVec::new(Opts::new("switchyard_backend_up", "1 when the backend is routable."), &["backend"])?,
+            )?)?,
+            decisions: counter_vec(r, "switchyard_routing_decisions_total", "Routing decisions by policy and reason.", &["policy", "reason"])?,
+            retries: register(r, IntCounter::new("switchyard_retries_total", "Attempts retried on another backend.")?)?,
+            upstream_errors: counter_vec(r, "switchyard_upstream_errors_total", "Upstream failures by kind.", &["kind"])?,
+            config_reloads: counter_vec(r, "switchyard_config_reloads_total", "Config reloads by result.", &["result"])?,
+            prefix_match_ratio: histogram(r, "switchyard_prefix_match_ratio",
+                "Share of the prompt's blocks the chosen backend probably had cached.", ratio_buckets)?,
+            prefix_index_bytes: gauge(r, "switchyard_prefix_index_bytes", "Memory charged by the gateway's prefix index.")?,
+            queue_depth: gauge(r, "switchyard_queue_depth", "Requests held in the admission queue while no engine can take them.")?,
+            queue_wait: histogram(r, "switchyard_queue_wait_seconds", "Time spent in the admission queue.", wait_buckets)?,
+            rejected: counter_vec(r, "switchyard_rejected_total", "Requests refused by the gateway, by reason and tenant.",
+                &["reason", "tenant"])?,
+            certificate_reloads: counter_vec(r, "switchyard_certificate_reloads_total", "TLS certificate rotations by result.",
+                &["result"])?,
+            header_timeouts: register(r, IntCounter::new("switchyard_header_timeouts_total",
+                "Connections closed because a request header did not arrive within limits.header_read_timeout_ms.")?)?,
+            client_connections: gauge(r, "switchyard_client_connections",
+                "Client connections open on the API listener (limits.max_connections caps it).")?,
+            core_connections: register(r, IntGaugeVec::new(Opts::new("switchyard_core_client_connections",
+                "Client connections served by each core (work_stealing: false; a new one goes to the core with fewest)."),
+                &["core"])?)?,
+            connections_refused: register(r, IntCounter::new("switchyard_connections_refused_total",
+                "Client connections closed at accept because limits.max_connections were open.")?)?,
+            idle_connections_closed: register(r, IntCounter::new("switchyard_idle_connections_closed_total",
+                "HTTP/1 keep-alive connections closed after limits.idle_connection_timeout_ms without a request.")?)?,
+            epp_protocol_errors: register(r, IntCounter::new("switchyard_epp_protocol_errors_total",
+                "ext_proc streams the Endpoint Picker ended for a message out of protocol order")?)?,
+            epp_streams: gauge(r, "switchyard_epp_streams", "ext_proc streams the Endpoint Picker has open.")?,
+            alias_requests: counter_vec(r, "switchyard_alias_requests_total", "Requests for a model alias, by the target chosen.",
+                &["alias", "target"])?,
+            kv_event_batches: counter_vec(r, "switchyard_kv_events_batches_total", "Engine KV-event batches applied to the index.",
+                &["backend"])?,
+            kv_event_gaps: counter_vec(r, "switchyard_kv_events_gaps_total",
+                "Sequence gaps in an engine's KV events: closed by a replay, or the engine's entries forgotten.",
+                &["backend", "outcome"])?,
+            kv_index_bytes: gauge(r, "switchyard_kv_index_bytes",
+                "Memory charged by the precise KV index (kv_events.max_bytes bounds it).")?,
+            shared_limits_unavailable: counter_vec(r, "switchyard_shared_limits_unavailable_total",
+                "Tenant limit decisions taken without Redis (auth.shared_limits): local (limit / replicas), open, closed; settle_lost: a token settlement that did not reach Redis.",
+                &["decision"])?,
+            buffered_body_bytes: gauge(r, "switchyard_buffered_body_bytes",
+                "Request body bytes held by the gateway now (limits.max_buffered_body_bytes caps it).")?,
+            inflight: register(r, IntGaugeVec::new(Opts::new("switchyard_backend_inflight", "Requests in flight per backend."),
+                &["backend"])?)?,
+            waiting: register(r, GaugeVec::new(Opts::new("switchyard_backend_waiting", "Scraped waiting requests per backend."),
+                &["backend"])?)?,
+            kv_usage: register(r, GaugeVec::new(Opts::new("switchyard_backend_kv_usage", "Scraped KV cache usage per backend."),
+                &["backend"])?)?,
+            up: register(r, IntGaugeVec::new(Opts::new("switchyard_backend_up", "1 when the backend is routable."), &["backend"])?)?,
             registry,
         };
-        m.registry.register(Box::new(m.requests.clone()))?;
-        m.registry.register(Box::new(m.duration.clone()))?;
-        m.registry.register(Box::new(m.ttft.clone()))?;
-        m.registry.register(Box::new(m.decisions.clone()))?;
-        m.registry.register(Box::new(m.retries.clone()))?;
-        m.registry.register(Box::new(m.upstream_errors.clone()))?;
-        m.registry.register(Box::new(m.config_reloads.clone()))?;
-        m.registry.register(Box::new(m.queue_depth.clone()))?;
-        m.registry.register(Box::new(m.queue_wait.clone()))?;
-        m.registry.register(Box::new(m.rejected.clone()))?;
-        m.registry.register(Box::new(m.header_timeouts.clone()))?;
-        m.registry.register(Box::new(m.client_connections.clone()))?;
-        m.registry.register(Box::new(m.core_connections.clone()))?;
-        m.registry.register(Box::new(m.connections_refused.clone()))?;
-        m.registry.register(Box::new(m.idle_connections_closed.clone()))?;
-        m.registry.register(Box::new(m.epp_protocol_errors.clone()))?;
-        m.registry.register(Box::new(m.epp_streams.clone()))?;
-        m.registry.register(Box::new(m.alias_requests.clone()))?;
-        m.registry.register(Box::new(m.buffered_body_bytes.clone()))?;
-        m.registry.register(Box::new(m.kv_event_batches.clone()))?;
-        m.registry.register(Box::new(m.kv_event_gaps.clone()))?;
-        m.registry.register(Box::new(m.kv_index_bytes.clone()))?;
-        m.registry.register(Box::new(m.shared_limits_unavailable.clone()))?;
-        m.registry.register(Box::new(m.certificate_reloads.clone()))?;
-        m.registry.register(Box::new(m.prefix_match_ratio.clone()))?;
-        m.registry.register(Box::new(m.prefix_index_bytes.clone()))?;
-        m.registry.register(Box::new(m.inflight.clone()))?;
-        m.registry.register(Box::new(m.waiting.clone()))?;
-        m.registry.register(Box::new(m.kv_usage.clone()))?;
-        m.registry.register(Box::new(m.up.clone()))?;
         for r in ["ok", "error"] {
             m.config_reloads.with_label_values(&[r]);
         }
@@ -290,4 +184,28 @@ impl GatewayMetrics {
         TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding cannot fail");
         buf
     }
+}
+
+/// `collector`, registered in `registry`.
+fn register<C: prometheus::core::Collector + Clone + 'static>(
+    registry: &Registry,
+    collector: C,
+) -> prometheus::Result<C> {
+    registry.register(Box::new(collector.clone()))?;
+    Ok(collector)
+}
+
+/// A registered counter with `labels`.
+fn counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::Result<IntCounterVec> {
+    register(registry, IntCounterVec::new(Opts::new(name, help), labels)?)
+}
+
+/// A registered gauge.
+fn gauge(registry: &Registry, name: &str, help: &str) -> prometheus::Result<IntGauge> {
+    register(registry, IntGauge::new(name, help)?)
+}
+
+/// A registered histogram with `buckets`.
+fn histogram(registry: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> prometheus::Result<Histogram> {
+    register(registry, Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))?)
 }

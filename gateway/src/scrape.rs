@@ -23,9 +23,9 @@ use hyper_util::rt::TokioExecutor;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 
+use crate::active::Active;
 use crate::cluster::{Backend, Scraped};
 use crate::config::SignalSource;
-use crate::state::Active;
 
 /// Model lists are refreshed every this many scrapes.
 pub const MODELS_REFRESH_EVERY: u64 = 50;

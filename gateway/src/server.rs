@@ -10,6 +10,7 @@
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::IntoRawFd;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -99,14 +100,63 @@ impl<S: ServiceWithDependents> ServiceWithDependents for PreBound<S> {
 pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     let registry = prometheus::Registry::new();
     let metrics = metrics::GatewayMetrics::new(registry)?;
-    let threads = config.worker_threads();
-    let work_stealing = config.work_stealing;
-    let cores = config.core_threads();
-    let conf = ServerConf {
-        threads,
-        // pingora's own runtimes (the admin listener, background services; the API
-        // listener too with `work_stealing: true`). Its one-runtime-per-thread mode is not
-        // used: `work_stealing: false` serves the API listener from `cores`.
+    let conf = server_conf(&config);
+    let threads = conf.threads;
+    let api = config.listen.as_deref().map(|addr| bind("listen", addr)).transpose()?;
+    let (admin_socket, admin_addr) = bind("admin_listen", &config.admin_listen)?;
+    let epp = config.epp.clone().map(|e| bind("epp.listen", &e.listen).map(|s| (e, s))).transpose()?;
+    let certs = config.tls.as_ref().map(tls::CertStore::load).transpose().map_err(|e| anyhow::anyhow!("tls: {e}"))?;
+    let tokenizer = load_tokenizer(&config)?;
+    let state = state::GatewayState::new(config, metrics, tokenizer);
+
+    let mut server = Server::new_with_opt_and_conf(None, conf);
+    server.bootstrap();
+    let app = Arc::new(proxy::ProxyApp::new(state.clone()));
+    let api_addr = api.as_ref().map(|(_, addr)| *addr);
+    // The cores' runtimes (`work_stealing: false`), where the KV-event streams are followed.
+    let core_runtimes = match api {
+        Some(api) => add_api_listener(&mut server, &app, &state, api, certs.as_ref())?,
+        None => Vec::new(),
+    };
+    let mut admin = Service::new("switchyard-admin".into(), admin::AdminApp::new(state.clone()));
+    admin.add_tcp(&admin_addr.to_string());
+    server.add_service(PreBound { inner: admin, sockets: vec![(admin_addr, admin_socket)] });
+    let epp_addr = epp.as_ref().map(|(_, (_, addr))| *addr);
+    if let Some((settings, (socket, _))) = epp {
+        server.add_service(background_service("epp", crate::epp::EppService::new(app, settings, socket)));
+    }
+    add_background_services(&mut server, &state, core_runtimes);
+    let drain = {
+        let (settings, flush) = (state.clone(), state.clone());
+        drain::DrainSignal::new(
+            state.lifecycle.clone(),
+            move || settings.active.load().config.drain.clone(),
+            move || flush.access_log.flush(),
+        )
+    };
+    let work_stealing = state.active.load().config.work_stealing;
+    server.add_service(background_service("config-reloader", reload::Reloader::new(state, config_path, certs.clone())));
+    tracing::info!(listen = ?api_addr, admin_listen = %admin_addr, epp_listen = ?epp_addr, threads,
+        work_stealing, tls = certs.is_some(), "switchyard-gateway starting");
+    // Lines a supervisor (or a test that asked for port 0) waits for: the sockets listen now.
+    if let Some(addr) = epp_addr {
+        println!("epp listening on grpc://{addr}");
+    }
+    if let Some(addr) = api_addr {
+        println!("listening on {}://{addr}", if certs.is_some() { "https" } else { "http" });
+    }
+    println!("admin listening on http://{admin_addr}");
+    server.run(RunArgs { shutdown_signal: Box::new(drain) });
+    Ok(())
+}
+
+/// pingora's settings for `config`: its own runtimes (the admin listener, background
+/// services; the API listener too with `work_stealing: true`) and the drain's timings.
+fn server_conf(config: &GatewayConfig) -> ServerConf {
+    ServerConf {
+        threads: config.worker_threads(),
+        // pingora's one-runtime-per-thread mode is not used: `work_stealing: false` serves
+        // the API listener from `cores`.
         work_stealing: true,
         // pingora sleeps this long after closing the listeners; `drain` exits earlier
         // when nothing is left in flight.
@@ -115,64 +165,69 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
         ),
         graceful_shutdown_timeout_seconds: Some(1),
         ..ServerConf::default()
-    };
-    let api = config.listen.as_deref().map(|addr| bind("listen", addr)).transpose()?;
-    let (admin_socket, admin_addr) = bind("admin_listen", &config.admin_listen)?;
-    let epp = config.epp.clone().map(|e| bind("epp.listen", &e.listen).map(|s| (e, s))).transpose()?;
-    let certs = config.tls.as_ref().map(tls::CertStore::load).transpose().map_err(|e| anyhow::anyhow!("tls: {e}"))?;
-    let http2 = config.tls.as_ref().is_some_and(|t| t.http2);
-    let tokenizer = match config.kv_events.as_ref().and_then(|k| k.tokenizer.as_ref()) {
-        Some(path) => {
-            let started = std::time::Instant::now();
-            let t = switchyard_tokenizer::load(path).map_err(|e| anyhow::anyhow!("kv_events.tokenizer: {e}"))?;
-            tracing::info!(path = %path.display(), vocab = t.vocab_len(), chat_template = t.has_chat_template(),
-                ms = started.elapsed().as_millis() as u64, "tokenizer loaded");
-            Some(std::sync::Arc::new(t))
-        }
-        None => None,
-    };
-    let state = state::GatewayState::new(config, metrics, tokenizer);
+    }
+}
 
-    let mut server = Server::new_with_opt_and_conf(None, conf);
-    server.bootstrap();
-    let app = std::sync::Arc::new(proxy::ProxyApp::new(state.clone()));
-    let api_addr = api.as_ref().map(|(_, addr)| *addr);
-    // The cores' runtimes (`work_stealing: false`), where the KV-event streams are followed.
-    let mut core_runtimes = Vec::new();
-    if let Some((api_socket, api_addr)) = api {
-        let edge = connection::Edge::new(app.clone(), state.clone());
-        let tls_settings = || -> anyhow::Result<Option<pingora::listeners::tls::TlsSettings>> {
-            let Some(store) = &certs else { return Ok(None) };
-            let mut settings = pingora::listeners::tls::TlsSettings::intermediate("", "")?;
-            settings.set_cert_resolver(store.clone());
-            if http2 {
-                settings.enable_h2();
-            }
-            Ok(Some(settings))
-        };
-        if work_stealing {
-            let mut proxy = Service::new("switchyard-proxy".into(), edge);
-            let listen = api_addr.to_string();
-            match tls_settings()? {
-                Some(tls) => proxy.add_listener(ListenerConfig::tcp(&listen).tls(tls).l4_buffer(tls_client_buffers())),
-                None => proxy.add_listener(ListenerConfig::tcp(&listen).l4_buffer(cleartext_client_buffers())),
-            }
-            server.add_service(PreBound { inner: proxy, sockets: vec![(api_addr, api_socket)] });
-        } else {
-            let acceptor = tls_settings()?.map(|settings| std::sync::Arc::new(settings.build()));
-            let open = &state.metrics.core_connections;
-            let serving = cores::Cores::new(api_socket, cores, std::sync::Arc::new(edge), acceptor, open)?;
-            core_runtimes = serving.runtimes();
-            server.add_service(background_service("switchyard-proxy", serving));
+/// `kv_events.tokenizer`, loaded (once, at start).
+fn load_tokenizer(config: &GatewayConfig) -> anyhow::Result<Option<Arc<switchyard_tokenizer::ModelTokenizer>>> {
+    let Some(path) = config.kv_events.as_ref().and_then(|k| k.tokenizer.as_ref()) else { return Ok(None) };
+    let started = std::time::Instant::now();
+    let t = switchyard_tokenizer::load(path).map_err(|e| anyhow::anyhow!("kv_events.tokenizer: {e}"))?;
+    tracing::info!(path = %path.display(), vocab = t.vocab_len(), chat_template = t.has_chat_template(),
+        ms = started.elapsed().as_millis() as u64, "tokenizer loaded");
+    Ok(Some(Arc::new(t)))
+}
+
+/// The API listener on its bound socket: pingora's service (`work_stealing: true`) or the
+/// gateway's own cores, behind TLS when `certs` are given. Returns the cores' runtimes (none
+/// with pingora's).
+fn add_api_listener(
+    server: &mut Server,
+    app: &Arc<proxy::ProxyApp>,
+    state: &Arc<state::GatewayState>,
+    (api_socket, api_addr): (TcpListener, SocketAddr),
+    certs: Option<&Arc<tls::CertStore>>,
+) -> anyhow::Result<Vec<tokio::runtime::Handle>> {
+    let (work_stealing, cores, http2) = {
+        let config = &state.active.load().config;
+        (config.work_stealing, config.core_threads(), config.tls.as_ref().is_some_and(|t| t.http2))
+    };
+    let edge = connection::Edge::new(app.clone(), state.clone());
+    let tls_settings = || -> anyhow::Result<Option<pingora::listeners::tls::TlsSettings>> {
+        let Some(store) = certs else { return Ok(None) };
+        let mut settings = pingora::listeners::tls::TlsSettings::intermediate("", "")?;
+        settings.set_cert_resolver(store.clone());
+        if http2 {
+            settings.enable_h2();
         }
+        Ok(Some(settings))
+    };
+    if work_stealing {
+        let mut proxy = Service::new("switchyard-proxy".into(), edge);
+        let listen = api_addr.to_string();
+        match tls_settings()? {
+            Some(tls) => proxy.add_listener(ListenerConfig::tcp(&listen).tls(tls).l4_buffer(tls_client_buffers())),
+            None => proxy.add_listener(ListenerConfig::tcp(&listen).l4_buffer(cleartext_client_buffers())),
+        }
+        server.add_service(PreBound { inner: proxy, sockets: vec![(api_addr, api_socket)] });
+        return Ok(Vec::new());
     }
-    let mut admin = Service::new("switchyard-admin".into(), admin::AdminApp::new(state.clone()));
-    admin.add_tcp(&admin_addr.to_string());
-    server.add_service(PreBound { inner: admin, sockets: vec![(admin_addr, admin_socket)] });
-    let epp_addr = epp.as_ref().map(|(_, (_, addr))| *addr);
-    if let Some((settings, (socket, _))) = epp {
-        server.add_service(background_service("epp", crate::epp::EppService::new(app, settings, socket)));
-    }
+    let acceptor = tls_settings()?.map(|settings| Arc::new(settings.build()));
+    let open = &state.metrics.core_connections;
+    let serving = cores::Cores::new(api_socket, cores, Arc::new(edge), acceptor, open)?;
+    let runtimes = serving.runtimes();
+    server.add_service(background_service("switchyard-proxy", serving));
+    Ok(runtimes)
+}
+
+/// The background services the config asks for: the scraper; DNS, Kubernetes and
+/// InferencePool discovery; the shared limits' heartbeat; the KV-event streams (on
+/// `core_runtimes` when there are any).
+fn add_background_services(
+    server: &mut Server,
+    state: &Arc<state::GatewayState>,
+    core_runtimes: Vec<tokio::runtime::Handle>,
+) {
     server.add_service(background_service("scraper", scrape::Scraper::new(state.active.clone())));
     let discovery_cfg = state.active.load().config.discovery.clone();
     let publisher = || {
@@ -193,31 +248,10 @@ pub fn run(config: GatewayConfig, config_path: PathBuf) -> anyhow::Result<()> {
     if let Some(limits) = state.shared_limits.clone() {
         server.add_service(background_service("shared-limits", crate::shared_limits::Heartbeat(limits)));
     }
-    if let Some(shared) = state.kv_events.clone() {
+    if let Some(events) = state.kv_events.clone() {
         let service =
-            crate::kv_events::subscriber::KvEventsService::new(state.active.clone(), shared, state.metrics.clone())
+            crate::kv_events::subscriber::KvEventsService::new(state.active.clone(), events, state.metrics.clone())
                 .on_runtimes(core_runtimes);
         server.add_service(background_service("kv-events", service));
     }
-    let drain = {
-        let (settings, flush) = (state.clone(), state.clone());
-        drain::DrainSignal::new(
-            state.lifecycle.clone(),
-            move || settings.active.load().config.drain.clone(),
-            move || flush.access_log.flush(),
-        )
-    };
-    server.add_service(background_service("config-reloader", reload::Reloader::new(state, config_path, certs.clone())));
-    tracing::info!(listen = ?api_addr, admin_listen = %admin_addr, epp_listen = ?epp_addr, threads,
-        work_stealing, tls = certs.is_some(), "switchyard-gateway starting");
-    // Lines a supervisor (or a test that asked for port 0) waits for: the sockets listen now.
-    if let Some(addr) = epp_addr {
-        println!("epp listening on grpc://{addr}");
-    }
-    if let Some(addr) = api_addr {
-        println!("listening on {}://{addr}", if certs.is_some() { "https" } else { "http" });
-    }
-    println!("admin listening on http://{admin_addr}");
-    server.run(RunArgs { shutdown_signal: Box::new(drain) });
-    Ok(())
 }

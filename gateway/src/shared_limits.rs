@@ -31,51 +31,9 @@ use parking_lot::Mutex;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 use redis::aio::MultiplexedConnection;
-use serde::Deserialize;
 
-use crate::error::Errors;
+use crate::config::SharedLimitsConfig;
 use crate::metrics::GatewayMetrics;
-
-/// `auth.shared_limits`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SharedLimitsConfig {
-    /// `redis://[user:password@]host:port[/db]`.
-    pub redis_url: String,
-    /// Prefix of every key the gateway writes.
-    #[serde(default = "default_prefix")]
-    pub key_prefix: String,
-    /// When Redis cannot answer: unset, per-replica limits of limit ÷ replicas seen;
-    /// `true`, admit; `false`, refuse (429).
-    #[serde(default)]
-    pub fail_open: Option<bool>,
-    /// How long one check may wait on Redis.
-    #[serde(default = "default_timeout_ms")]
-    pub timeout_ms: u64,
-}
-
-fn default_prefix() -> String {
-    "switchyard".into()
-}
-
-fn default_timeout_ms() -> u64 {
-    100
-}
-
-impl SharedLimitsConfig {
-    /// Field-level problems (pure: parses the URL, connects to nothing).
-    pub fn validate(&self, errs: &mut Errors) {
-        if let Err(e) = redis::Client::open(self.redis_url.as_str()) {
-            errs.add("auth.shared_limits.redis_url", &self.redis_url, format!("not a Redis URL: {e}"));
-        }
-        if self.key_prefix.is_empty() || self.key_prefix.contains(char::is_whitespace) {
-            errs.add("auth.shared_limits.key_prefix", &self.key_prefix, "must be non-empty, without spaces");
-        }
-        if !(1..=10_000).contains(&self.timeout_ms) {
-            errs.add("auth.shared_limits.timeout_ms", self.timeout_ms, "must be in 1..=10000");
-        }
-    }
-}
 
 /// What Redis said about a request.
 #[derive(Debug, Clone, Copy, PartialEq)]

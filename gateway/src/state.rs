@@ -2,8 +2,8 @@
 //!
 //! [`GatewayState`] is built once in `main` and shared by the proxy, the admin listener and
 //! the background services. What a config reload changes — the config itself, the policy
-//! and the backend set — is swapped atomically (`ArcSwap`); requests in flight keep the
-//! snapshot they started with.
+//! and the backend set, one [`Active`] snapshot — is swapped atomically (`ArcSwap`);
+//! requests in flight keep the snapshot they started with.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -13,63 +13,20 @@ use parking_lot::Mutex;
 use pingora::connectors::TransportConnector;
 
 use crate::access_log::AccessLog;
+use crate::active::{build_auth, Active};
 use crate::admission::AdmissionQueue;
 use crate::auth::Authenticator;
 use crate::body_budget::BodyBudget;
 use crate::cluster::{BackendSpec, ClusterView};
 use crate::config::GatewayConfig;
-#[cfg(any(test, feature = "fuzzing"))]
-use crate::discovery::static_list::literal_resolve;
 use crate::discovery::{backend_specs, backend_specs_with, system_resolve};
 use crate::drain::Lifecycle;
 use crate::error::ConfigError;
+use crate::kv_events::prompt::PromptTokenizer;
+use crate::kv_events::subscriber::KvEvents;
 use crate::metrics::GatewayMetrics;
-use crate::policy::Policy;
 use crate::prefix::PrefixTracker;
 use crate::retry::RetryBudget;
-
-/// The config in force, the policy built from it and the backend set: one snapshot, so a
-/// request never sees a new policy with old backends or the reverse.
-pub struct Active {
-    /// Configuration.
-    pub config: GatewayConfig,
-    /// Policy.
-    pub policy: Box<dyn Policy>,
-    /// Backend membership.
-    pub cluster: Arc<ClusterView>,
-    /// API keys and their limiter state.
-    pub auth: Arc<Authenticator>,
-}
-
-impl Active {
-    /// `config` in force with its own policy over `cluster`.
-    pub fn new(config: GatewayConfig, cluster: Arc<ClusterView>, auth: Arc<Authenticator>) -> Self {
-        let policy = config.policy.build();
-        Active { config, policy, cluster, auth }
-    }
-
-    /// A snapshot of `config` alone, without DNS: backends given by IP address resolve,
-    /// named ones stay down. For the fuzz target and tests.
-    #[cfg(any(test, feature = "fuzzing"))]
-    pub fn for_config(config: GatewayConfig) -> Self {
-        let specs = backend_specs_with(&config, &[], &literal_resolve);
-        let cluster = Arc::new(ClusterView::rebuild(&ClusterView::default(), &specs));
-        let auth = build_auth(&config, None);
-        Active::new(config, cluster, auth)
-    }
-}
-
-/// The key table of `config`, keeping `previous`'s limiter state for unchanged keys. Fails
-/// closed: a key source that became unreadable since validation leaves no valid key.
-fn build_auth(config: &GatewayConfig, previous: Option<&Authenticator>) -> Arc<Authenticator> {
-    let keys = config.auth.all_keys().unwrap_or_else(|errs| {
-        for e in errs {
-            tracing::error!(error = %e, "API keys unavailable; requests will be refused");
-        }
-        Vec::new()
-    });
-    Arc::new(Authenticator::build(config.auth.enabled(), keys, previous))
-}
 
 /// Idle connections kept per backend (NGINX's `keepalive`).
 pub const UPSTREAM_MAX_IDLE: usize = 256;
@@ -82,7 +39,8 @@ pub struct GatewayState {
     pub active: Arc<ArcSwap<Active>>,
     /// Opens upstream connections (pingora; TCP, TLS).
     pub connector: TransportConnector,
-    /// Idle upstream connections for reuse, one pool per core ([`GatewayState::pool`]).
+    /// Idle upstream connections for reuse, one pool per core (the calling thread's:
+    /// `pools.of(cores::current())`).
     pub pools: crate::pool::Pools<crate::upstream::EngineConnection>,
     /// Metrics.
     pub metrics: GatewayMetrics,
@@ -101,7 +59,9 @@ pub struct GatewayState {
     /// Retries spent against requests made.
     pub retry_budget: Mutex<RetryBudget>,
     /// The engines' KV events and the precise index they build (`kv_events` configured).
-    pub kv_events: Option<Arc<crate::kv_events::subscriber::KvEventsShared>>,
+    pub kv_events: Option<Arc<KvEvents>>,
+    /// Tokenizes prompts into the index's block keys (`kv_events.tokenizer` configured).
+    pub prompt_tokenizer: Option<PromptTokenizer>,
     /// Tenant limits kept in Redis for every replica (`auth.shared_limits`, read at start).
     pub shared_limits: Option<Arc<crate::shared_limits::SharedLimits>>,
 }
@@ -120,14 +80,12 @@ impl GatewayState {
         // connections go to `pool`), so its size does not matter.
         let mut connector_options = pingora::connectors::ConnectorOptions::new(128);
         connector_options.ca_file = config.upstream_tls.ca_file.clone();
-        let config_kv_events = config.kv_events.as_ref().map(|k| {
-            crate::kv_events::subscriber::KvEventsShared::new(
-                k.block_size,
-                k.max_bytes,
-                tokenizer,
-                k.tokenizer_cache_bytes,
-            )
-        });
+        let kv_events = config.kv_events.as_ref().map(|k| KvEvents::new(k.block_size, k.max_bytes));
+        let prompt_tokenizer = config
+            .kv_events
+            .as_ref()
+            .zip(tokenizer)
+            .map(|(k, tokenizer)| PromptTokenizer::new(tokenizer, k.tokenizer_cache_bytes, k.block_size));
         let shared_limits =
             config.auth.shared_limits.clone().map(|c| crate::shared_limits::SharedLimits::new(c, metrics.clone()));
         let r = &config.retries;
@@ -145,14 +103,10 @@ impl GatewayState {
             discovered: ArcSwap::from_pointee(Vec::new()),
             queue: AdmissionQueue::new(),
             retry_budget: Mutex::new(retry_budget),
-            kv_events: config_kv_events,
+            kv_events,
+            prompt_tokenizer,
             shared_limits,
         })
-    }
-
-    /// The idle engine connections of the calling thread's core ([`crate::cores`]).
-    pub fn pool(&self) -> &crate::pool::UpstreamPool<crate::upstream::EngineConnection> {
-        self.pools.of(crate::cores::current())
     }
 
     /// Replace the backends found by discovery (Kubernetes EndpointSlices, DNS) and rebuild

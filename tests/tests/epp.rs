@@ -183,7 +183,7 @@ async fn without_its_picker_envoy_follows_failure_mode_allow() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_an_engine_envoy_answers_503_or_after_the_queue_429_and_keys_still_apply() {
+async fn without_an_engine_envoy_answers_503_after_the_queue_as_http_does_and_keys_still_apply() {
     // Pickers without the HTTP API (`listen: null`), for an engine that is down.
     let dead = format!("http://127.0.0.1:{}", free_port());
     let base = || {
@@ -215,7 +215,8 @@ async fn without_an_engine_envoy_answers_503_or_after_the_queue_429_and_keys_sti
     let auth = format!("Bearer {KEY}");
     let started = Instant::now();
     let r = send_with(envoy.addr, "POST", "/v1/completions", &[("authorization", &auth)], body.to_string()).await;
-    assert_eq!(r.status, 429, "past the queue's wait the request is shed");
+    // The same status as over HTTP (one driver): 503 with Retry-After.
+    assert_eq!(r.status, 503, "past the queue's wait the request is refused");
     assert!(started.elapsed() >= Duration::from_millis(300), "it waited in the queue first");
     assert!(r.headers.contains_key("retry-after"));
     eventually("the shed request is logged with its tenant", async || g.log().contains("\"tenant\":\"team-a\"")).await;

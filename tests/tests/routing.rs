@@ -127,7 +127,10 @@ async fn replicas_break_ties_alike() {
             &GatewayConfigBuilder::new()
                 .backend_serving(&e1.url(), &["m"])
                 .backend_serving(&e2.url(), &["m"])
-                .policy("cost"),
+                .policy("cost")
+                // The subject is the tie-break: a scrape made late on a busy machine must not
+                // leave one replica with a stale signal (another score) and the other fresh.
+                .stale_after_ms(60_000),
         )
     };
     let (a, b) = (replica(), replica());

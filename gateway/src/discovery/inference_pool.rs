@@ -229,30 +229,12 @@ impl BackgroundService for PoolDiscovery {
         let mut seen = Seen::default();
         // The pool as of the current (re)list: `Some(None)` while listing, found nothing yet.
         let mut pool_relist: Option<Option<DynamicObject>> = None;
-        let pod_name = |p: &Pod| p.metadata.name.clone().unwrap_or_default();
         loop {
             tokio::select! {
                 _ = shutdown.changed() => return,
                 event = pool_events.next() => {
-                    // Only the named pool counts, whatever else the server sends.
-                    let ours = |p: &DynamicObject| p.metadata.name.as_deref() == Some(self.cfg.name.as_str());
-                    let pool = match event {
-                        None => return,
-                        Some(Ok(Event::Init)) => { pool_relist = Some(None); continue }
-                        Some(Ok(Event::InitApply(p))) => {
-                            if ours(&p) { pool_relist = Some(Some(p)); }
-                            continue
-                        }
-                        Some(Ok(Event::InitDone)) => pool_relist.take().flatten(),
-                        Some(Ok(Event::Apply(p))) if ours(&p) => Some(p),
-                        Some(Ok(Event::Delete(p))) if ours(&p) => None,
-                        Some(Ok(Event::Apply(_) | Event::Delete(_))) => continue,
-                        Some(Err(e)) => {
-                            tracing::warn!(error = %e, "inference pool discovery: pool watch error");
-                            tokio::time::sleep(Duration::from_millis(500)).await;
-                            continue;
-                        }
-                    };
+                    let Some(event) = event else { return };
+                    let Some(pool) = self.pool_event(event, &mut pool_relist).await else { continue };
                     let spec = match pool.as_ref().map(pool_spec) {
                         None => None,
                         Some(Ok(spec)) => Some(spec),
@@ -271,32 +253,77 @@ impl BackgroundService for PoolDiscovery {
                     }
                     self.publish(&seen).await;
                 }
-                event = next_pod_event(&mut pod_events) => {
-                    match event {
-                        None => pod_events = None,
-                        Some(Ok(Event::Init)) => seen.pods_relist = Some(BTreeMap::new()),
-                        Some(Ok(Event::InitApply(p))) => {
-                            seen.pods_relist.get_or_insert_with(BTreeMap::new).insert(pod_name(&p), p);
-                        }
-                        Some(Ok(Event::InitDone)) => {
-                            seen.pods = seen.pods_relist.take().unwrap_or_default();
-                            seen.pods_listed = true;
-                            self.publish(&seen).await;
-                        }
-                        Some(Ok(Event::Apply(p))) => {
-                            seen.pods.insert(pod_name(&p), p);
-                            if seen.pods_listed { self.publish(&seen).await; }
-                        }
-                        Some(Ok(Event::Delete(p))) => {
-                            seen.pods.remove(&pod_name(&p));
-                            if seen.pods_listed { self.publish(&seen).await; }
-                        }
-                        Some(Err(e)) => {
-                            tracing::warn!(error = %e, "inference pool discovery: pod watch error");
-                            tokio::time::sleep(Duration::from_millis(500)).await;
-                        }
-                    }
+                event = next_pod_event(&mut pod_events) => match event {
+                    None => pod_events = None,
+                    Some(event) => self.pod_event(event, &mut seen).await,
                 }
+            }
+        }
+    }
+}
+
+impl PoolDiscovery {
+    /// What a pool watch event says: the pool as it now is (`Some(None)`: deleted, or not
+    /// found by a relist), or `None` when there is nothing to act on yet (a relist under way,
+    /// another pool, an error). `relist`: the pool as of the current relist.
+    async fn pool_event(
+        &self,
+        event: Result<Event<DynamicObject>, watcher::Error>,
+        relist: &mut Option<Option<DynamicObject>>,
+    ) -> Option<Option<DynamicObject>> {
+        // Only the named pool counts, whatever else the server sends.
+        let ours = |p: &DynamicObject| p.metadata.name.as_deref() == Some(self.cfg.name.as_str());
+        match event {
+            Ok(Event::Init) => {
+                *relist = Some(None);
+                None
+            }
+            Ok(Event::InitApply(p)) => {
+                if ours(&p) {
+                    *relist = Some(Some(p));
+                }
+                None
+            }
+            Ok(Event::InitDone) => Some(relist.take().flatten()),
+            Ok(Event::Apply(p)) if ours(&p) => Some(Some(p)),
+            Ok(Event::Delete(p)) if ours(&p) => Some(None),
+            Ok(Event::Apply(_) | Event::Delete(_)) => None,
+            Err(e) => {
+                tracing::warn!(error = %e, "inference pool discovery: pool watch error");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                None
+            }
+        }
+    }
+
+    /// A Pod watch event: the Pods seen updated, and published once they are listed.
+    async fn pod_event(&self, event: Result<Event<Pod>, watcher::Error>, seen: &mut Seen) {
+        let pod_name = |p: &Pod| p.metadata.name.clone().unwrap_or_default();
+        match event {
+            Ok(Event::Init) => seen.pods_relist = Some(BTreeMap::new()),
+            Ok(Event::InitApply(p)) => {
+                seen.pods_relist.get_or_insert_with(BTreeMap::new).insert(pod_name(&p), p);
+            }
+            Ok(Event::InitDone) => {
+                seen.pods = seen.pods_relist.take().unwrap_or_default();
+                seen.pods_listed = true;
+                self.publish(seen).await;
+            }
+            Ok(Event::Apply(p)) => {
+                seen.pods.insert(pod_name(&p), p);
+                if seen.pods_listed {
+                    self.publish(seen).await;
+                }
+            }
+            Ok(Event::Delete(p)) => {
+                seen.pods.remove(&pod_name(&p));
+                if seen.pods_listed {
+                    self.publish(seen).await;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "inference pool discovery: pod watch error");
+                tokio::time::sleep(Duration::from_millis(500)).await;
             }
         }
     }

@@ -27,7 +27,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::head::{BodyFraming, RequestHead};
 use crate::error::ProxyError;
-use crate::upstream::{BodyDecoder, Framing};
+use crate::framing::{BodyDecoder, Framing};
 
 /// Room added to the read buffer before each read.
 const READ_BYTES: usize = 8 * 1024;

@@ -1,19 +1,20 @@
-//! One ext_proc stream: one request through the proxy's own phases, with the other gateway
-//! (Envoy) making the exchange with the engine.
+//! One ext_proc stream as a [`Transport`]: the request driver ([`ProxyApp::drive`]) runs the
+//! same phases on it as on an HTTP request; the other gateway (Envoy) makes the exchange
+//! with the engine.
 //!
 //! | phase | what Envoy sends | what the picker does |
 //! |---|---|---|
-//! | `head` | request headers | the head, the request id; the API key and its rate ([`ProxyApp::admit`]); a request without a body goes to a random ready engine at once |
-//! | `body` | request body chunks, maybe trailers | held within `limits.max_body_bytes`, the process-wide buffer cap and `limits.body_read_timeout_ms`; nothing is answered yet (the headers answer waits for the pick) |
-//! | `plan`, `queue`, `pick` | — | [`plan_request`], the token charge, the admission queue (a refusal is a 429: GIE's "shed"), the policy's pick within the subset hint, with fallbacks |
-//! | `route` | — | the headers answer naming the engine(s), then the body echoed, then the trailers |
-//! | `response` | response headers, body chunks, trailers | the engine that served (in-flight and TTFT are counted there), its status, the first content, the usage; each passed on unchanged |
-//! | `finish` | the response's end, or the stream cancelled | in-flight released, tokens settled, one access-log line ([`ProxyApp::finish`]) |
+//! | `head` | request headers (and metadata: the subset hint) | the head, as an HTTP request's; within `limits.header_read_timeout_ms` |
+//! | driver | request body chunks, maybe trailers | every rule an HTTP request meets: the route table, keys and rates, the body caps, the plan, the token budget, aliases, the admission queue; a refusal or the gateway's own answer is an `ImmediateResponse` |
+//! | `deliver` | — | the policy's pick within the subset hint, with fallbacks; the headers answer naming the engine(s), then the body echoed, then the trailers |
+//! | `response` | response headers, body chunks, trailers | the engine that served (in-flight and TTFT are counted there), its status, the first content, the usage; each passed on unchanged (an alias written back) |
+//! | `finish` | the response's end, or the stream cancelled | in-flight released, tokens settled, one access-log line (the driver's) |
+//! | `drain` | trailers, late chunks | answered until Envoy closes the stream |
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
+use bytes::Bytes;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Msg;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
@@ -21,30 +22,24 @@ use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 
 use super::protocol;
-use crate::cluster::{Backend, BackendState};
+use crate::active::Active;
+use crate::cluster::Backend;
 use crate::config::EppConfig;
 use crate::downstream::RequestHead;
-use crate::error::{ProxyError, UpstreamErrorKind};
+use crate::error::ProxyError;
 use crate::http::{EDGE_ONLY, REQUEST_ID};
-use crate::proxy::{plan_request, Admitted, InflightGuard, ProxyApp, RequestCtx};
-use crate::state::Active;
+use crate::proxy::driver::{BodyError, Planned, Transport};
+use crate::proxy::{Engine, InflightGuard, Outcome, ProxyApp, RequestCtx, Reuse};
 
 /// Where the picker's answers go (the gRPC response stream).
 pub(super) type Outbound = mpsc::Sender<Result<ProcessingResponse, Status>>;
 
-/// Why a stream ends before its response phase.
-enum Stop {
-    /// Envoy closed or cancelled the stream (the client left, or Envoy gave up).
-    Gone,
-    /// The picker answered: an immediate response, or an error for a protocol violation.
-    Answered,
-}
+/// The error label of a stream Envoy broke the protocol on after the pick.
+const PROTOCOL_ERROR: &str = "epp_protocol_error";
 
-/// What the request phases leave to the response phase.
+/// The engine a routed request is counted on, while Envoy's exchange with it runs.
 struct Routed {
-    /// The snapshot the pick was made in.
-    active: Arc<Active>,
-    /// The engine counted as serving the request (in the cluster view of `active`).
+    /// Its position in the cluster view the pick was made in.
     index: usize,
     /// Its in-flight count and pending prefill while the request is on it.
     guard: InflightGuard,
@@ -67,19 +62,26 @@ impl Drop for OpenStream {
 }
 
 /// How a request body ended.
+#[derive(Clone, Copy)]
 enum BodyEnd {
-    /// With the last body chunk.
+    /// With the last body chunk (or with the headers: no body).
     Chunk,
     /// With trailers (echoed after the body).
     Trailers,
 }
 
-/// One stream's state.
-pub(super) struct Exchange {
-    app: Arc<ProxyApp>,
+/// One stream, as the request driver's transport.
+pub(super) struct ExtProcStream {
     epp: Arc<EppConfig>,
     inbound: Streaming<ProcessingRequest>,
     out: Outbound,
+    head: RequestHead,
+    /// What Envoy sent with the request headers (the subset hint).
+    meta: Option<Metadata>,
+    /// How the request body ended, once it has.
+    body_end: Option<BodyEnd>,
+    /// The response passed to its end: what Envoy still sends is answered after `finish`.
+    response_ended: bool,
 }
 
 /// The `ip:port` the gateway knows an engine by.
@@ -87,219 +89,141 @@ fn endpoint(b: &Backend) -> String {
     b.addr.map_or_else(|| b.authority.clone(), |a| a.to_string())
 }
 
-impl Exchange {
-    /// A stream Envoy opened.
-    pub(super) fn new(
-        app: Arc<ProxyApp>,
-        epp: Arc<EppConfig>,
-        inbound: Streaming<ProcessingRequest>,
-        out: Outbound,
-    ) -> Self {
-        Exchange { app, epp, inbound, out }
+/// Serve a stream Envoy opened, to its end. Its request counts as in flight for a drain.
+pub(super) async fn serve(
+    app: Arc<ProxyApp>,
+    epp: Arc<EppConfig>,
+    mut inbound: Streaming<ProcessingRequest>,
+    out: Outbound,
+) {
+    let state = app.state().clone();
+    let _in_flight = state.lifecycle.in_flight.enter();
+    let _open = OpenStream::count(&state.metrics.epp_streams);
+    let deadline = state.active.load().config.limits.header_read_timeout();
+    // A stream that says nothing is closed like a connection that sends no head.
+    let (headers, meta) = match tokio::time::timeout(deadline, next(&mut inbound)).await {
+        Ok(Some((Msg::RequestHeaders(h), meta))) => (h, meta),
+        Ok(Some(_)) => return refuse(&app, &out, "the request headers must come first").await,
+        Ok(None) => return,
+        Err(_) => {
+            state.metrics.header_timeouts.inc();
+            return;
+        }
+    };
+    let head = match protocol::request_head(headers.headers.as_ref()) {
+        Ok(h) => RequestHead::from_pingora(&h),
+        Err(e) => return refuse(&app, &out, &e).await,
+    };
+    let body_end = headers.end_of_stream.then_some(BodyEnd::Chunk);
+    let mut stream = ExtProcStream { epp, inbound, out, head, meta, body_end, response_ended: false };
+    app.drive(&mut stream, state.active.load_full()).await;
+    if stream.response_ended {
+        stream.drain(state.active.load().config.timeouts.idle()).await;
+    }
+}
+
+impl Transport for ExtProcStream {
+    fn head(&self) -> &RequestHead {
+        &self.head
     }
 
-    /// Serve the stream to its end. Its request counts as in flight for a drain.
-    pub(super) async fn run(mut self) {
-        let state = self.app.state().clone();
-        let _in_flight = state.lifecycle.in_flight.enter();
-        let _open = OpenStream::count(&state.metrics.epp_streams);
-        let deadline = state.active.load().config.limits.header_read_timeout();
-        // A stream that says nothing is closed like a connection that sends no head.
-        let (headers, meta) = match tokio::time::timeout(deadline, self.next()).await {
-            Ok(Some((Msg::RequestHeaders(h), meta))) => (h, meta),
-            Ok(Some(_)) => return self.refuse("the request headers must come first").await,
-            Ok(None) => return,
-            Err(_) => {
-                state.metrics.header_timeouts.inc();
-                return;
-            }
-        };
-        let head = match protocol::request_head(headers.headers.as_ref()) {
-            Ok(h) => RequestHead::from_pingora(&h),
-            Err(e) => return self.refuse(&e).await,
-        };
-        let mut ctx = RequestCtx::new(head.method(), head.path());
-        ctx.take_request_id(head.get(REQUEST_ID));
-        match self.request(&head, headers.end_of_stream, meta.as_ref(), &mut ctx).await {
-            Ok(mut routed) => {
-                let ended = self.response(&mut routed, &mut ctx).await;
-                // The request is over for the engine: released before the log line.
-                drop(routed);
-                self.app.finish(&mut ctx);
-                if ended {
-                    self.drain().await;
+    /// The body chunks Envoy streams (`FULL_DUPLEX_STREAMED`), to the last one or the
+    /// trailers; the stream ending first is the client leaving.
+    async fn read_body(&mut self) -> Result<Option<Bytes>, BodyError> {
+        if self.body_end.is_some() {
+            return Ok(None);
+        }
+        match next(&mut self.inbound).await {
+            None => Err(BodyError::Gone),
+            Some((Msg::RequestBody(b), _)) => {
+                if b.end_of_stream {
+                    self.body_end = Some(BodyEnd::Chunk);
                 }
+                Ok(Some(Bytes::from(b.body)))
             }
-            Err(stop) => {
-                if matches!(stop, Stop::Gone) && ctx.status == 0 {
-                    ctx.status = 499;
-                    ctx.client_gone();
-                }
-                self.app.finish(&mut ctx);
+            Some((Msg::RequestTrailers(_), _)) => {
+                self.body_end = Some(BodyEnd::Trailers);
+                Ok(None)
             }
+            Some(_) => Err(BodyError::Refused(ProxyError::BadRequest("ext_proc: expected the request body".into()))),
         }
     }
 
-    /// Phases `head` to `route`.
-    async fn request(
-        &mut self,
-        head: &RequestHead,
-        headers_only: bool,
-        meta: Option<&Metadata>,
-        ctx: &mut RequestCtx,
-    ) -> Result<Routed, Stop> {
-        let authorization = head.get("authorization");
-        if let Err(e) = self.app.admit(authorization, ctx).await {
-            return Err(self.reject(e, ctx).await);
-        }
-        let subset = protocol::subset_hint(meta);
-        if headers_only {
-            return self.route_any(subset.as_deref(), ctx).await;
-        }
-        let (body, end) = self.read_body(ctx).await?;
-        let state = self.app.state().clone();
-        let planned_with = state.active.load_full();
-        ctx.request_bytes = body.len();
-        let tenant = ctx.tenant.clone();
-        let mut plan = match plan_request(head, &body, &planned_with, tenant.as_deref(), state.kv_events.as_deref()) {
-            Ok(p) => p,
-            Err(e) => return Err(self.fail(e, ctx).await),
-        };
-        ctx.stream = plan.stream;
-        ctx.model = Some(plan.model.clone());
-        state.metrics.count_alias(plan.alias.as_deref(), &plan.model);
-        ctx.writeback = plan.writeback(&planned_with);
-        let body = plan.engine_body(body.freeze());
-        if let Err(e) = self.app.charge_tokens(&plan, ctx).await {
-            return Err(self.reject(e, ctx).await);
-        }
-        // Nothing is due from Envoy before the answer: a message, or the stream's end, is
-        // the client leaving (or Envoy giving up).
-        let inbound = &mut self.inbound;
-        let gone = async move {
-            let _ = inbound.message().await;
-        };
-        let name = tenant.as_ref().map(|t| t.name.as_str());
-        let ticket = match self.app.queue(gone, &planned_with, &plan.model, ctx.started, plan.priority, name).await {
-            Admitted::Go(t) => t,
-            Admitted::Refused(ProxyError::NoBackend(model)) => {
-                return Err(self.reject(ProxyError::Shed(model), ctx).await)
-            }
-            Admitted::Refused(e) => return Err(self.reject(e, ctx).await),
-            Admitted::ClientGone => return Err(Stop::Gone),
-        };
-        let active = state.active.load_full();
-        if !Arc::ptr_eq(&active, &planned_with) {
-            plan.fit_policy(head, &body, &active, state.kv_events.as_deref());
-        }
-        let excluded: Vec<usize> = match &subset {
-            None => Vec::new(),
-            Some(allowed) => (0..active.cluster.backends.len())
-                .filter(|&i| !allowed.contains(&endpoint(&active.cluster.backends[i])))
-                .collect(),
-        };
-        let (pick, fallbacks) = match self.app.pick_with_fallbacks(&active, &plan, ctx, &excluded, self.epp.fallbacks) {
+    /// Nothing is due from Envoy before the answer: a message, or the stream's end, is the
+    /// client leaving (or Envoy giving up).
+    async fn closed(&mut self) {
+        let _ = self.inbound.message().await;
+    }
+
+    /// An immediate response: Envoy answers the client itself.
+    async fn respond(&mut self, status: u16, content_type: &str, body: Bytes, fields: &[(&str, &str)]) -> Reuse {
+        let _ = send(&self.out, protocol::immediate(status, content_type, &body, fields)).await;
+        Reuse::Close
+    }
+
+    /// The pick (with fallbacks, within the subset hint) named to Envoy, the body echoed,
+    /// then the response watched as it passes.
+    async fn deliver(&mut self, app: &ProxyApp, planned: Planned, ctx: &mut RequestCtx) -> Outcome {
+        let Planned { active, plan, body, ticket } = planned;
+        let excluded = self.excluded(&active);
+        let (pick, fallbacks) = match app.pick_with_fallbacks(&active, &plan, ctx, &excluded, self.epp.fallbacks) {
             Ok(x) => x,
-            Err(e) => return Err(self.fail(e, ctx).await),
+            Err(e) => return app.fail(self, e, ctx).await,
         };
         let backend = active.cluster.backends[pick.index].clone();
         let guard = InflightGuard::new(backend.clone(), pick.uncached, pick.work, plan.stream, Instant::now());
+        let mut routed = Routed { index: pick.index, guard };
         drop(ticket);
         let mut endpoints = endpoint(&backend);
         for i in fallbacks {
             endpoints.push(',');
             endpoints.push_str(&endpoint(&active.cluster.backends[i]));
         }
-        self.send_route(&endpoints, &active, ctx, body.len() != ctx.request_bytes).await?;
-        let trailers = matches!(end, BodyEnd::Trailers);
-        for part in protocol::request_body(&body, !trailers) {
-            self.send(part).await?;
+        if self.route_to(&endpoints, &active, ctx, &body).await.is_err() {
+            return Outcome::client_gone(499);
+        }
+        self.response(app, &active, &mut routed, ctx).await
+    }
+}
+
+impl ExtProcStream {
+    /// The cluster positions outside the subset hint (none without one).
+    fn excluded(&self, active: &Active) -> Vec<usize> {
+        let Some(allowed) = protocol::subset_hint(self.meta.as_ref()) else { return Vec::new() };
+        let backends = &active.cluster.backends;
+        (0..backends.len()).filter(|&i| !allowed.contains(&endpoint(&backends[i]))).collect()
+    }
+
+    /// The headers answer, then the body echoed (the engine's: an alias's model rewritten),
+    /// then the trailers when the request had them. Err when the stream is gone.
+    async fn route_to(&self, endpoints: &str, active: &Active, ctx: &RequestCtx, body: &[u8]) -> Result<(), ()> {
+        // The body echoed differs in length from the client's: the `Content-Length` goes.
+        send(&self.out, self.route_answer(endpoints, active, ctx, body.len() != ctx.request_bytes)).await?;
+        let trailers = matches!(self.body_end, Some(BodyEnd::Trailers));
+        for part in protocol::request_body(body, !trailers) {
+            send(&self.out, part).await?;
         }
         if trailers {
-            self.send(protocol::request_trailers()).await?;
+            send(&self.out, protocol::request_trailers()).await?;
         }
-        Ok(Routed { active, index: pick.index, guard })
-    }
-
-    /// A request without a body (a GET): a random ready engine, within the subset hint.
-    async fn route_any(&mut self, subset: Option<&[String]>, ctx: &mut RequestCtx) -> Result<Routed, Stop> {
-        let active = self.app.state().active.load_full();
-        let (now, down_after) = (Instant::now(), active.config.scrape.down_after_failures);
-        let ready: Vec<usize> = (0..active.cluster.backends.len())
-            .filter(|&i| {
-                let b = &active.cluster.backends[i];
-                b.state(now, down_after) == BackendState::Up && subset.is_none_or(|s| s.contains(&endpoint(b)))
-            })
-            .collect();
-        if ready.is_empty() {
-            return Err(self.fail(ProxyError::NoBackend("*".into()), ctx).await);
-        }
-        let index = ready[rand::random_range(0..ready.len())];
-        let backend = active.cluster.backends[index].clone();
-        ctx.backend = Some(backend.clone());
-        ctx.reason = Some("random");
-        let guard = InflightGuard::new(backend.clone(), 0, 0, false, Instant::now());
-        self.send_route(&endpoint(&backend), &active, ctx, false).await?;
-        Ok(Routed { active, index, guard })
-    }
-
-    /// Phase `body`: the whole request body, and how it ended.
-    async fn read_body(&mut self, ctx: &mut RequestCtx) -> Result<(BytesMut, BodyEnd), Stop> {
-        let state = self.app.state().clone();
-        let limits = state.active.load().config.limits.clone();
-        let (limit, cap) = (limits.max_body_bytes, limits.max_buffered_body_bytes);
-        let Some(held) = state.bodies.reserve(0, cap) else {
-            return Err(self.reject(ProxyError::BodyBufferFull, ctx).await);
-        };
-        let held = ctx.body_held.insert(held);
-        let mut body = BytesMut::new();
-        let read = async {
-            loop {
-                match self.next().await {
-                    None => return Err(None),
-                    Some((Msg::RequestBody(b), _)) => {
-                        let len = (body.len() + b.body.len()) as u64;
-                        if len > limit {
-                            return Err(Some(ProxyError::BodyTooLarge { limit }));
-                        }
-                        if !held.grow_to(len, cap) {
-                            return Err(Some(ProxyError::BodyBufferFull));
-                        }
-                        body.extend_from_slice(&b.body);
-                        if b.end_of_stream {
-                            return Ok(BodyEnd::Chunk);
-                        }
-                    }
-                    Some((Msg::RequestTrailers(_), _)) => return Ok(BodyEnd::Trailers),
-                    Some(_) => return Err(Some(ProxyError::BadRequest("ext_proc: expected the request body".into()))),
-                }
-            }
-        };
-        let end = match tokio::time::timeout(limits.body_read_timeout(), read).await {
-            Ok(Ok(end)) => end,
-            Ok(Err(None)) => return Err(Stop::Gone),
-            Ok(Err(Some(e @ ProxyError::BodyBufferFull))) => return Err(self.reject(e, ctx).await),
-            Ok(Err(Some(e))) => return Err(self.fail(e, ctx).await),
-            Err(_) => return Err(self.fail(ProxyError::BodyTimeout(limits.body_read_timeout_ms), ctx).await),
-        };
-        Ok((body, end))
+        Ok(())
     }
 
     /// Phase `response`: each message passed on, the request accounted on the engine that
-    /// served it. True when the response ended, false when the stream did first.
-    async fn response(&mut self, r: &mut Routed, ctx: &mut RequestCtx) -> bool {
+    /// served it.
+    async fn response(&mut self, app: &ProxyApp, active: &Active, r: &mut Routed, ctx: &mut RequestCtx) -> Outcome {
+        // The engine's status once its headers pass; 499 until then.
+        let mut status = 499;
         loop {
-            let Some((msg, meta)) = self.next().await else {
-                ctx.client_gone();
-                if ctx.status == 0 {
-                    ctx.status = 499;
-                }
-                return false;
-            };
+            let Some((msg, meta)) = next(&mut self.inbound).await else { return Outcome::client_gone(status) };
             let (reply, end) = match msg {
                 Msg::ResponseHeaders(h) => {
-                    self.served(r, meta.as_ref(), h.headers.as_ref(), ctx);
-                    self.response_status(r, h.headers.as_ref(), ctx);
+                    self.served(active, r, meta.as_ref(), h.headers.as_ref(), ctx);
+                    let headers = h.headers.as_ref();
+                    status = protocol::response_status(headers).unwrap_or(0);
+                    app.engine_answered(Engine { active, index: r.index }, status);
+                    ctx.sse = protocol::find_header(headers, "content-type")
+                        .is_some_and(|v| v.starts_with(b"text/event-stream"));
                     let id = ctx.request_id.as_deref().unwrap_or("");
                     // The alias written back changes the length.
                     let remove: &[&str] = match ctx.writeback {
@@ -313,43 +237,40 @@ impl Exchange {
                         Some(w) => w.apply(&b.body, b.end_of_stream),
                         None => b.body,
                     };
-                    self.observe(r, &body, ctx);
+                    if let Some(ttft) = ctx.observe_response(&body, &mut r.guard) {
+                        let backend = &active.cluster.backends[r.index];
+                        app.state().metrics.of(backend).ttft.observe(ttft.as_secs_f64());
+                    }
                     (protocol::response_body(&body, b.end_of_stream), b.end_of_stream)
                 }
                 Msg::ResponseTrailers(_) => (protocol::response_trailers(), true),
                 Msg::RequestHeaders(_) | Msg::RequestBody(_) | Msg::RequestTrailers(_) => {
-                    self.refuse("a request message after the request was routed").await;
-                    return false;
+                    refuse(app, &self.out, "a request message after the request was routed").await;
+                    return Outcome { status, reuse: Reuse::Close, error: Some(PROTOCOL_ERROR) };
                 }
             };
-            if self.send(reply).await.is_err() {
-                ctx.client_gone();
-                return false;
+            if send(&self.out, reply).await.is_err() {
+                return Outcome::client_gone(status);
             }
             if end {
-                return true;
+                self.response_ended = true;
+                return Outcome::answered(status, Reuse::Close);
             }
         }
-    }
-
-    /// The engine's status: a 5xx counts against it (outlier ejection), anything else is
-    /// a success; an SSE body is watched for its first content.
-    fn response_status(&self, r: &Routed, headers: Option<&HeaderMap>, ctx: &mut RequestCtx) {
-        ctx.status = protocol::response_status(headers).unwrap_or(0);
-        if ctx.status >= 500 {
-            let detail = format!("status {}", ctx.status);
-            self.app.upstream_failed(&r.active, Some(r.index), UpstreamErrorKind::Status5xx, &detail);
-        } else {
-            r.active.cluster.backends[r.index].record_success();
-        }
-        ctx.sse = protocol::find_header(headers, "content-type").is_some_and(|v| v.starts_with(b"text/event-stream"));
     }
 
     /// The gateway says which engine served (it went down the fallback list): the request
     /// is counted there from now on.
-    fn served(&self, r: &mut Routed, meta: Option<&Metadata>, headers: Option<&HeaderMap>, ctx: &mut RequestCtx) {
+    fn served(
+        &self,
+        active: &Active,
+        r: &mut Routed,
+        meta: Option<&Metadata>,
+        headers: Option<&HeaderMap>,
+        ctx: &mut RequestCtx,
+    ) {
         let Some(served) = protocol::served_endpoint(meta, headers) else { return };
-        let backends = &r.active.cluster.backends;
+        let backends = &active.cluster.backends;
         if endpoint(&backends[r.index]) == served {
             return;
         }
@@ -361,40 +282,17 @@ impl Exchange {
         r.index = index;
     }
 
-    /// A response body chunk: the first bytes are the TTFT, the first generated content ends
-    /// the prefill the policy learns from, the usage settles the token charge.
-    fn observe(&self, r: &mut Routed, chunk: &[u8], ctx: &mut RequestCtx) {
-        if chunk.is_empty() {
-            return;
-        }
-        ctx.chunks += 1;
-        ctx.response_bytes += chunk.len();
-        if !r.guard.prefilled() && (!ctx.sse || ctx.content.observe(chunk)) {
-            r.guard.first_content(Instant::now());
-        }
-        if ctx.ttft.is_none() {
-            let t = ctx.started.elapsed();
-            ctx.ttft = Some(t);
-            let url = r.active.cluster.backends[r.index].url.as_str();
-            self.app.state().metrics.ttft.with_label_values(&[url]).observe(t.as_secs_f64());
-        }
-        if ctx.charged.is_some() {
-            ctx.usage.observe(chunk);
-        }
-    }
-
     /// After the response's end: answer what Envoy may still send (trailers) until it closes
-    /// the stream, for at most the idle timeout.
-    async fn drain(&mut self) {
-        let idle = self.app.state().active.load().config.timeouts.idle();
+    /// the stream, for at most `idle` (at least a second).
+    async fn drain(&mut self, idle: Duration) {
         let rest = async {
-            while let Some((msg, _)) = self.next().await {
+            while let Some((msg, _)) = next(&mut self.inbound).await {
                 let reply = match msg {
                     Msg::ResponseTrailers(_) => protocol::response_trailers(),
                     Msg::ResponseBody(b) => protocol::response_body(&b.body, b.end_of_stream),
                     _ => break,
                 };
-                if self.send(reply).await.is_err() {
+                if send(&self.out, reply).await.is_err() {
                     break;
                 }
             }
@@ -407,7 +305,7 @@ impl Exchange {
     /// key when keys are on; a client's claim of the served endpoint).
     /// `resized`: the body echoed differs in length from the client's (an alias rewrote its
     /// model), so the client's `Content-Length` goes (Envoy then sends the body chunked).
-    async fn send_route(&self, endpoints: &str, active: &Active, ctx: &RequestCtx, resized: bool) -> Result<(), Stop> {
+    fn route_answer(&self, endpoints: &str, active: &Active, ctx: &RequestCtx, resized: bool) -> ProcessingResponse {
         let id = ctx.request_id.as_deref().unwrap_or("");
         let mut remove = vec![protocol::SERVED_KEY];
         remove.extend_from_slice(EDGE_ONLY);
@@ -417,52 +315,34 @@ impl Exchange {
         if resized {
             remove.push("content-length");
         }
-        let reply = protocol::route_to(&self.epp.destination_header, endpoints, &[(REQUEST_ID, id)], &remove);
-        self.send(reply).await
+        protocol::route_to(&self.epp.destination_header, endpoints, &[(REQUEST_ID, id)], &remove)
     }
+}
 
-    /// The next message with a request, and the metadata Envoy sent with it; `None` when the
-    /// stream ended or broke.
-    async fn next(&mut self) -> Option<(Msg, Option<Metadata>)> {
-        loop {
-            match self.inbound.message().await {
-                Ok(Some(ProcessingRequest { request: Some(m), metadata_context, .. })) => {
-                    return Some((m, metadata_context))
-                }
-                // Nothing to process (flow control only): wait for the next one.
-                Ok(Some(_)) => continue,
-                Ok(None) | Err(_) => return None,
+/// The next message with a request, and the metadata Envoy sent with it; `None` when the
+/// stream ended or broke.
+async fn next(inbound: &mut Streaming<ProcessingRequest>) -> Option<(Msg, Option<Metadata>)> {
+    loop {
+        match inbound.message().await {
+            Ok(Some(ProcessingRequest { request: Some(m), metadata_context, .. })) => {
+                return Some((m, metadata_context))
             }
+            // Nothing to process (flow control only): wait for the next one.
+            Ok(Some(_)) => continue,
+            Ok(None) | Err(_) => return None,
         }
     }
+}
 
-    async fn send(&self, reply: ProcessingResponse) -> Result<(), Stop> {
-        self.out.send(Ok(reply)).await.map_err(|_| Stop::Gone)
-    }
+/// Send an answer; Err when the stream is gone.
+async fn send(out: &Outbound, reply: ProcessingResponse) -> Result<(), ()> {
+    out.send(Ok(reply)).await.map_err(|_| ())
+}
 
-    /// Answer `e` to the client in the OpenAI shape (an immediate response).
-    async fn fail(&self, e: ProxyError, ctx: &mut RequestCtx) -> Stop {
-        ctx.status = e.status();
-        ctx.error_kind = Some(e.kind());
-        let reply = protocol::immediate(e.status(), e.body(), e.retry_after_secs(), ctx.request_id.as_deref());
-        match self.send(reply).await {
-            Ok(()) => Stop::Answered,
-            Err(stop) => stop,
-        }
-    }
-
-    /// [`Self::fail`] for the gateway's own refusals (keys, rates, queue), counted in
-    /// `switchyard_rejected_total`.
-    async fn reject(&self, e: ProxyError, ctx: &mut RequestCtx) -> Stop {
-        self.app.state().metrics.rejected.with_label_values(&[e.kind(), ctx.tenant_name()]).inc();
-        self.fail(e, ctx).await
-    }
-
-    /// End the stream with a gRPC error: Envoy sent something the protocol does not allow
-    /// here (Envoy then applies its `failure_mode_allow`).
-    async fn refuse(&self, why: &str) {
-        tracing::debug!(why, "ext_proc stream refused");
-        self.app.state().metrics.epp_protocol_errors.inc();
-        let _ = self.out.send(Err(Status::invalid_argument(format!("switchyard epp: {why}")))).await;
-    }
+/// End the stream with a gRPC error: Envoy sent something the protocol does not allow here
+/// (Envoy then applies its `failure_mode_allow`).
+async fn refuse(app: &ProxyApp, out: &Outbound, why: &str) {
+    tracing::debug!(why, "ext_proc stream refused");
+    app.state().metrics.epp_protocol_errors.inc();
+    let _ = out.send(Err(Status::invalid_argument(format!("switchyard epp: {why}")))).await;
 }

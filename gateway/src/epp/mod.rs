@@ -2,12 +2,14 @@
 //! served to another gateway (Envoy, Istio, kgateway, …) over Envoy's ext_proc protocol.
 //!
 //! The other gateway sends each request's headers and body on one gRPC stream; the picker
-//! runs the proxy's own phases on it — API keys and limits, [`crate::proxy::plan_request`],
-//! the admission queue, the policy's pick with the same load and prefix signals — and
-//! answers with the engine's `ip:port` in a header (and the metadata `envoy.lb`); the other
-//! gateway makes the exchange and streams the response back through the picker, which
-//! counts it on the engine that served ([`exchange`]). The messages themselves are built and
-//! read in [`protocol`] (pure).
+//! runs it through the request driver ([`crate::proxy::driver`]) as an HTTP request is run —
+//! the route table, API keys and limits, body caps, [`crate::proxy::plan::plan_request`], the
+//! admission queue, the policy's pick with the same load and prefix signals — and answers
+//! with the engine's `ip:port` in a header (and the metadata `envoy.lb`), or on the gateway's
+//! behalf (an immediate response, with the status HTTP would get); the other gateway makes
+//! the exchange and streams the response back through the picker, which counts it on the
+//! engine that served ([`exchange`]). The messages themselves are built and read in
+//! [`protocol`] (pure).
 //!
 //! gRPC health answers for GIE's three service names: `liveness` (the process answers),
 //! `readiness` and `envoy.service.ext_proc.v3.ExternalProcessor` (ready as `/-/ready` is).
@@ -42,7 +44,7 @@ const HEALTH_EVERY: Duration = Duration::from_millis(250);
 /// Largest ext_proc message accepted (a body chunk is far smaller; Envoy sends what it read).
 const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 
-/// The ext_proc service: one [`exchange::Exchange`] task per stream.
+/// The ext_proc service: one [`exchange::serve`] task per stream.
 struct Picker {
     app: Arc<ProxyApp>,
     epp: Arc<EppConfig>,
@@ -58,8 +60,7 @@ impl ExternalProcessor for Picker {
     ) -> Result<Response<Self::ProcessStream>, Status> {
         // Answers go out in order; a few may wait while Envoy reads (the body echo).
         let (tx, rx) = tokio::sync::mpsc::channel(16);
-        let exchange = exchange::Exchange::new(self.app.clone(), self.epp.clone(), request.into_inner(), tx);
-        tokio::spawn(exchange.run());
+        tokio::spawn(exchange::serve(self.app.clone(), self.epp.clone(), request.into_inner(), tx));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
@@ -102,7 +103,7 @@ impl BackgroundService for EppService {
         tokio::spawn(async move {
             reporter.set_service_status(HEALTH_SERVICES[0], ServingStatus::Serving).await;
             loop {
-                let status = match app.readiness().0 {
+                let status = match app.readiness(&app.state().active.load()).0 {
                     200 => ServingStatus::Serving,
                     _ => ServingStatus::NotServing,
                 };

@@ -182,21 +182,15 @@ pub fn response_trailers() -> ProcessingResponse {
     ProcessingResponse { response: Some(r), ..Default::default() }
 }
 
-/// The picker answers the client itself: `status` with a JSON `body` (the OpenAI error
-/// shape), `Retry-After` when given, and the request id.
-pub fn immediate(status: u16, body: String, retry_after: Option<u64>, request_id: Option<&str>) -> ProcessingResponse {
-    let retry = retry_after.map(|s| s.to_string());
-    let mut set = vec![("content-type", "application/json")];
-    if let Some(r) = &retry {
-        set.push(("retry-after", r));
-    }
-    if let Some(id) = request_id {
-        set.push((crate::http::REQUEST_ID, id));
-    }
+/// The picker answers the client itself: `status` with `body` of `content_type`, and the
+/// header `fields` (`Retry-After`, the request id…).
+pub fn immediate(status: u16, content_type: &str, body: &[u8], fields: &[(&str, &str)]) -> ProcessingResponse {
+    let mut set = vec![("content-type", content_type)];
+    set.extend_from_slice(fields);
     let reply = ImmediateResponse {
         status: Some(HttpStatus { code: i32::from(status) }),
         headers: mutation(&set, &[]),
-        body: body.into_bytes(),
+        body: body.to_vec(),
         details: "switchyard_epp".into(),
         ..Default::default()
     };
@@ -332,7 +326,7 @@ mod tests {
 
     #[test]
     fn an_immediate_answer_carries_status_body_and_retry_after() {
-        let r = immediate(429, "{}".into(), Some(2), Some("abc"));
+        let r = immediate(429, "application/json", b"{}", &[("retry-after", "2"), (crate::http::REQUEST_ID, "abc")]);
         let Some(processing_response::Response::ImmediateResponse(i)) = &r.response else { panic!() };
         assert_eq!(i.status.as_ref().unwrap().code, 429);
         assert_eq!(i.body, b"{}");

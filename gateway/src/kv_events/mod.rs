@@ -1,11 +1,12 @@
-//! Engine KV-cache events (#19): what each engine really caches, from the events vLLM (and
-//! `switchyard-engine --kv-events-config`) publish over ZMQ.
+//! Engine KV-cache events: what each engine really caches, from the events vLLM (and
+//! `switchyard-engine --kv-events-config`) publish over ZMQ, for precise prefix routing.
 //!
-//! So far: [`wire`], the decoder for every layout vLLM has shipped; [`index`], the pure block
-//! index built from decoded batches; [`subscriber`], one ZMQ subscription per engine feeding
-//! it (with replays on gaps), shown in `/admin/backends`. Tokenizing requests in the gateway
-//! and the policies reading the index are the next steps (see the issue).
+//! [`wire`] decodes every layout vLLM has shipped; [`index`] is the pure block index built
+//! from decoded batches; [`subscriber`] follows one ZMQ stream per engine into it (with
+//! replays on gaps), shown in `/admin/backends`; [`prompt`] tokenizes a request's prompt
+//! into the block keys the index is asked about.
 
 pub mod index;
+pub(crate) mod prompt;
 pub(crate) mod subscriber;
 pub mod wire;

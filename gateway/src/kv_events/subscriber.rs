@@ -22,13 +22,11 @@ use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use switchyard_tokenizer::{ModelTokenizer, PieceCache};
-
-use super::index::{prompt_keys, Applied, BlockKey, EngineSlot, KvIndex, MAX_ENGINES};
+use super::index::{Applied, EngineSlot, KvIndex, MAX_ENGINES};
+use super::prompt::PrecisePrompt;
 use super::wire::{decode_batch, EventBatch};
+use crate::active::Active;
 use crate::metrics::GatewayMetrics;
-use crate::request::tokens::{prompt_token_ids, SeenPrompt};
-use crate::state::Active;
 
 /// How often the set of engines is compared with the subscriptions.
 const RESYNC: Duration = Duration::from_secs(1);
@@ -54,61 +52,28 @@ pub struct StreamState {
     pub undecodable: u64,
 }
 
-/// The index and the streams feeding it, shared with the admin listener and the policies.
+/// The engines' KV events: the index and the streams feeding it, shared with the admin
+/// listener and the request path (which asks it what each engine holds of a prompt that
+/// [`PromptTokenizer`](super::prompt::PromptTokenizer) turned into block keys).
 #[derive(Debug)]
-pub struct KvEventsShared {
+pub struct KvEvents {
     /// The index.
     pub index: Mutex<KvIndex>,
     /// Per backend key: its slot and stream.
     /// (foldhash: looked up per request and per batch, where SipHash cost ~250 instructions.)
     pub streams: Mutex<foldhash::HashMap<u64, (EngineSlot, StreamState)>>,
-    /// The served model's tokenizer (`kv_events.tokenizer`): without it requests have no
-    /// block keys and routing uses the approximate index alone.
-    pub tokenizer: Option<Arc<ModelTokenizer>>,
-    /// Token ids of prompt pieces seen before (`kv_events.tokenizer_cache_bytes`).
-    pub pieces: PieceCache,
     /// The index's block size (fixed at start: read without the index's lock).
     block_size: usize,
 }
 
-/// A request's prompt as the engines will cache it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PrecisePrompt {
-    /// The keys of its full blocks, in order.
-    pub keys: Vec<BlockKey>,
-    /// Its length in tokens.
-    pub tokens: u64,
-}
-
-impl KvEventsShared {
-    /// An empty index for `block_size`-token blocks within `max_bytes`; requests are
-    /// tokenized with `tokenizer`, when given, remembering up to `cache_bytes` of pieces.
-    pub fn new(
-        block_size: usize,
-        max_bytes: usize,
-        tokenizer: Option<Arc<ModelTokenizer>>,
-        cache_bytes: usize,
-    ) -> Arc<Self> {
-        Arc::new(KvEventsShared {
+impl KvEvents {
+    /// An empty index for `block_size`-token blocks within `max_bytes`.
+    pub fn new(block_size: usize, max_bytes: usize) -> Arc<Self> {
+        Arc::new(KvEvents {
             index: Mutex::new(KvIndex::new(block_size, max_bytes)),
             streams: Mutex::default(),
-            tokenizer,
-            pieces: PieceCache::new(cache_bytes),
             block_size,
         })
-    }
-
-    /// Whether requests get block keys (a tokenizer is configured).
-    pub fn tokenizes(&self) -> bool {
-        self.tokenizer.is_some()
-    }
-
-    /// The prompt of `body` tokenized as the engine will (`None` without a tokenizer, or for
-    /// a body with no single prompt: see [`crate::request::tokens`]); `seen`: what the
-    /// routing pass read of it.
-    pub fn precise_prompt(&self, body: &[u8], seen: SeenPrompt) -> Option<PrecisePrompt> {
-        let ids = prompt_token_ids(body, seen, self.tokenizer.as_deref()?, &self.pieces)?;
-        Some(PrecisePrompt { keys: prompt_keys(&ids, self.block_size), tokens: ids.len() as u64 })
     }
 
     /// Per backend key of `backends`: the leading tokens of `prompt` that engine holds, for
@@ -152,14 +117,14 @@ impl KvEventsShared {
 /// The background service.
 pub struct KvEventsService {
     active: Arc<ArcSwap<Active>>,
-    shared: Arc<KvEventsShared>,
+    shared: Arc<KvEvents>,
     metrics: GatewayMetrics,
     runtimes: Vec<tokio::runtime::Handle>,
 }
 
 impl KvEventsService {
     /// Subscribe to the engines `active` lists, feeding `shared`, counting in `metrics`.
-    pub fn new(active: Arc<ArcSwap<Active>>, shared: Arc<KvEventsShared>, metrics: GatewayMetrics) -> Self {
+    pub fn new(active: Arc<ArcSwap<Active>>, shared: Arc<KvEvents>, metrics: GatewayMetrics) -> Self {
         KvEventsService { active, shared, metrics, runtimes: Vec::new() }
     }
 
@@ -273,30 +238,15 @@ struct Counters {
 
 /// Follow one engine's stream until aborted.
 async fn subscribe(
-    shared: Arc<KvEventsShared>,
+    shared: Arc<KvEvents>,
     key: u64,
     slot: EngineSlot,
     endpoints: (String, Option<String>, String),
     counters: Counters,
 ) {
     let (pub_endpoint, replay_endpoint, _) = endpoints;
-    let gaps = |outcome: &str| counters.metrics.kv_event_gaps.with_label_values(&[counters.backend.as_str(), outcome]);
     let received = counters.metrics.kv_event_batches.with_label_values(&[counters.backend.as_str()]);
-    let mut sub = zeromq::SubSocket::new();
-    // ZMQ reconnects by itself once connected; the first connect may find nobody listening.
-    loop {
-        match sub.connect(&pub_endpoint).await {
-            Ok(()) => break,
-            Err(e) => {
-                tracing::debug!(endpoint = %pub_endpoint, error = %e, "KV events: cannot connect yet");
-                tokio::time::sleep(RESYNC).await;
-            }
-        }
-    }
-    if let Err(e) = sub.subscribe("").await {
-        tracing::warn!(endpoint = %pub_endpoint, error = %e, "KV events: cannot subscribe");
-        return;
-    }
+    let Some(mut sub) = connect(&pub_endpoint).await else { return };
     loop {
         let message = match sub.recv().await {
             Ok(m) => m,
@@ -321,27 +271,9 @@ async fn subscribe(
         };
         let applied = shared.index.lock().apply(slot, seq, &batch);
         if let Applied::Gap { missing } = applied {
-            let replayed = match &replay_endpoint {
-                Some(r) => tokio::time::timeout(REPLAY_TIMEOUT, replay(r, missing.start)).await.ok().flatten(),
-                None => None,
-            };
-            let closed = replayed.is_some_and(|batches| {
-                let mut index = shared.index.lock();
-                for (s, b) in batches.iter().filter(|(s, _)| *s < seq) {
-                    if !matches!(index.apply(slot, *s, b), Applied::InOrder | Applied::Duplicate) {
-                        return false;
-                    }
-                }
-                matches!(index.apply(slot, seq, &batch), Applied::InOrder)
-            });
-            if closed {
-                gaps("replayed").inc();
-            } else {
-                gaps("forgotten").inc();
-                let mut index = shared.index.lock();
-                index.forget_engine(slot);
-                index.apply(slot, seq, &batch);
-            }
+            let closed = close_gap(&shared, slot, (seq, &batch), missing.start, replay_endpoint.as_deref()).await;
+            let outcome = if closed { "replayed" } else { "forgotten" };
+            counters.metrics.kv_event_gaps.with_label_values(&[counters.backend.as_str(), outcome]).inc();
             stream_mut(&shared, key, |s| {
                 s.gaps += 1;
                 s.replayed += u64::from(closed);
@@ -356,7 +288,60 @@ async fn subscribe(
     }
 }
 
-fn stream_mut(shared: &KvEventsShared, key: u64, f: impl FnOnce(&mut StreamState)) {
+/// A SUB socket subscribed to everything `endpoint` publishes; `None` when it cannot
+/// subscribe. ZMQ reconnects by itself once connected; the first connect may find nobody
+/// listening, and is tried again every [`RESYNC`].
+async fn connect(endpoint: &str) -> Option<zeromq::SubSocket> {
+    let mut sub = zeromq::SubSocket::new();
+    loop {
+        match sub.connect(endpoint).await {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::debug!(endpoint, error = %e, "KV events: cannot connect yet");
+                tokio::time::sleep(RESYNC).await;
+            }
+        }
+    }
+    if let Err(e) = sub.subscribe("").await {
+        tracing::warn!(endpoint, error = %e, "KV events: cannot subscribe");
+        return None;
+    }
+    Some(sub)
+}
+
+/// A gap before batch `seq` (the batches from `missing_from` on were lost): ask the engine's
+/// replay socket for them and apply them in order, then `batch`; true when that closed the
+/// gap. Otherwise (no replay socket, no answer within [`REPLAY_TIMEOUT`], still a gap) the
+/// engine's entries are forgotten and `batch` starts it again.
+async fn close_gap(
+    shared: &KvEvents,
+    slot: EngineSlot,
+    (seq, batch): (u64, &EventBatch),
+    missing_from: u64,
+    replay_endpoint: Option<&str>,
+) -> bool {
+    let replayed = match replay_endpoint {
+        Some(r) => tokio::time::timeout(REPLAY_TIMEOUT, replay(r, missing_from)).await.ok().flatten(),
+        None => None,
+    };
+    let closed = replayed.is_some_and(|batches| {
+        let mut index = shared.index.lock();
+        for (s, b) in batches.iter().filter(|(s, _)| *s < seq) {
+            if !matches!(index.apply(slot, *s, b), Applied::InOrder | Applied::Duplicate) {
+                return false;
+            }
+        }
+        matches!(index.apply(slot, seq, batch), Applied::InOrder)
+    });
+    if !closed {
+        let mut index = shared.index.lock();
+        index.forget_engine(slot);
+        index.apply(slot, seq, batch);
+    }
+    closed
+}
+
+fn stream_mut(shared: &KvEvents, key: u64, f: impl FnOnce(&mut StreamState)) {
     if let Some((_, s)) = shared.streams.lock().get_mut(&key) {
         f(s);
     }
@@ -384,40 +369,20 @@ async fn replay(endpoint: &str, start: u64) -> Option<Vec<(u64, EventBatch)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kv_events::prompt::{tests::letters, PromptTokenizer};
     use crate::kv_events::wire::Event;
-
-    /// A tokenizer whose tokens are single characters (`a`-`z`, space, `<`, `>`, `|`, `_`,
-    /// newline), with no chat template (ChatML).
-    fn letters() -> Arc<ModelTokenizer> {
-        let alphabet = "abcdefghijklmnopqrstuvwxyz <>|_\n";
-        let mut vocab = serde_json::Map::new();
-        vocab.insert("<eos>".into(), 0.into());
-        for (i, c) in alphabet.chars().enumerate() {
-            vocab.insert(c.to_string(), (i + 1).into());
-        }
-        let doc = serde_json::json!({
-            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-            "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
-            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "vocab": vocab, "merges": []},
-        });
-        let config = serde_json::json!({"eos_token": "<eos>"});
-        Arc::new(ModelTokenizer::from_hf(doc.to_string().as_bytes(), Some(&config)).unwrap())
-    }
+    use crate::request::tokens::SeenPrompt;
 
     #[test]
     fn live_engines_match_by_the_blocks_they_hold_and_the_others_are_left_to_the_approximate_index() {
-        let shared = KvEventsShared::new(4, 1 << 30, Some(letters()), 1 << 20);
+        let shared = KvEvents::new(4, 1 << 30);
+        let tokenizer = PromptTokenizer::new(letters(), 1 << 20, 4);
         let body = br#"{"messages":[{"role":"user","content":"hello world"}]}"#;
-        let prompt = shared.precise_prompt(body, SeenPrompt::Unknown).expect("a chat tokenizes");
-        // `<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n`, a token a character.
+        let prompt = tokenizer.precise_prompt(body, SeenPrompt::Unknown).expect("a chat tokenizes");
         let text = switchyard_tokenizer::render_chatml(&[switchyard_tokenizer::ChatMessage {
             role: "user".into(),
             content: "hello world".into(),
         }]);
-        assert_eq!(prompt.tokens, text.len() as u64);
-        assert_eq!(prompt.keys.len(), text.len() / 4);
-
         // Engine A (backend 1) stored the prompt's first three blocks, as the engine tokenized them.
         let ids = letters().encode(&text);
         let batch = EventBatch {
@@ -440,15 +405,5 @@ mod tests {
         shared.streams.lock().insert(2, (1, live));
         shared.streams.lock().insert(3, (2, StreamState::default()));
         assert_eq!(shared.matched_tokens(&prompt, &[1, 2, 3, 4]), vec![Some(12), Some(0), None, None]);
-
-        // A completion's token ids are taken as they are; a batch has no single prompt.
-        let ids = shared.precise_prompt(br#"{"prompt":[1,2,3,4,5]}"#, SeenPrompt::Unknown).unwrap();
-        assert_eq!((ids.tokens, ids.keys.len()), (5, 1));
-        assert_eq!(shared.precise_prompt(br#"{"prompt":["a","b"]}"#, SeenPrompt::Unknown), None);
-        assert_eq!(
-            KvEventsShared::new(4, 1 << 30, None, 1 << 20).precise_prompt(body, SeenPrompt::Unknown),
-            None,
-            "no tokenizer, no keys"
-        );
     }
 }

@@ -17,17 +17,19 @@ use bytes::Bytes;
 use pingora::upstreams::peer::{HttpPeer, Peer};
 use tokio::net::TcpStream;
 
-use crate::admission::Ticket;
+use crate::active::Active;
 use crate::cluster::Backend;
 use crate::config::GatewayConfig;
 use crate::downstream::Downstream;
 use crate::error::{ProxyError, UpstreamErrorKind};
 use crate::policy::RouteInput;
-use crate::state::Active;
 use crate::upstream::{request_head, EngineConnection, EngineIoError, EngineStream, Forwarded, ResponseHead};
 
-use super::ctx::RequestCtx;
+use super::ctx::{Outcome, RequestCtx};
+use super::driver::Planned;
+use super::inflight::InflightGuard;
 use super::plan::RoutePlan;
+use super::stream::Engine;
 use super::{routable, ProxyApp};
 
 /// Outcome of one exchange that did not produce a response header.
@@ -50,85 +52,16 @@ pub(crate) struct Pick {
     pub work: u64,
 }
 
-/// Keeps a backend's in-flight count, and its pending prefill tokens until the first
-/// generated content, while a request is on it.
-pub(crate) struct InflightGuard {
-    backend: Arc<Backend>,
-    /// This request's uncached prompt tokens, still counted as pending prefill.
-    pending: u64,
-    /// Prefill work ahead of and including this request at dispatch (for rate learning).
-    work: u64,
-    /// Learn the prefill rate from this request's first content (streams only: a
-    /// non-streamed response's first byte comes after the whole generation).
-    learn: bool,
-    dispatched: Instant,
-    /// The prefill is over (the first content arrived).
-    prefilled: bool,
-}
-
-impl InflightGuard {
-    /// Count a request on `backend` with its `pending` uncached prompt tokens, sent at
-    /// `dispatched`.
-    pub(crate) fn new(backend: Arc<Backend>, pending: u64, work: u64, learn: bool, dispatched: Instant) -> Self {
-        backend.inflight.fetch_add(1, Ordering::Relaxed);
-        backend.routed.fetch_add(1, Ordering::Relaxed);
-        backend.pending_prefill_tokens.fetch_add(pending, Ordering::Relaxed);
-        // Nothing waits on the first content when there is no pending prefill to release and
-        // no sample to learn from (`observe_prefill` skips small ones): the response is then
-        // not scanned for it.
-        let prefilled = pending == 0 && (!learn || work < crate::cluster::MIN_SAMPLE_TOKENS);
-        InflightGuard { backend, pending, work, learn, dispatched, prefilled }
-    }
-
-    /// Whether the first content has arrived.
-    pub(crate) fn prefilled(&self) -> bool {
-        self.prefilled
-    }
-
-    /// The first generated content arrived at `now` ([`crate::request::ContentDetector`];
-    /// for a response that is not a stream, its first byte): the prefill is done.
-    pub(crate) fn first_content(&mut self, now: Instant) {
-        if std::mem::replace(&mut self.prefilled, true) {
-            return;
-        }
-        if self.learn {
-            self.backend.observe_prefill(self.work, now.duration_since(self.dispatched).as_secs_f64(), now);
-        }
-        self.backend.pending_prefill_tokens.fetch_sub(std::mem::take(&mut self.pending), Ordering::Relaxed);
-    }
-}
-
-impl Drop for InflightGuard {
-    fn drop(&mut self) {
-        self.backend.inflight.fetch_sub(1, Ordering::Relaxed);
-        self.backend.pending_prefill_tokens.fetch_sub(self.pending, Ordering::Relaxed);
-    }
-}
-
 impl ProxyApp {
-    /// Attempts until one answers (then stream it) or none is left; true when the client
-    /// connection may be reused. `plan` was made under `planned_with`; a reload since (while
-    /// the request waited in the queue) re-fits it to the policy now in force. `ticket` (the
+    /// Attempts until one answers (then stream it) or none is left. `planned.ticket` (the
     /// admission queue's) is let go once the request is counted in flight.
-    pub(super) async fn attempt_loop(
-        &self,
-        s: &mut Downstream<'_>,
-        ctx: &mut RequestCtx,
-        plan: &mut RoutePlan,
-        planned_with: &Arc<Active>,
-        body: &Bytes,
-        mut ticket: Option<Ticket>,
-    ) -> bool {
-        let active = self.state.active.load_full();
-        if !Arc::ptr_eq(&active, planned_with) {
-            plan.fit_policy(s.head(), body, &active, self.state.kv_events.as_deref());
-        }
-        let plan = &*plan;
+    pub(super) async fn attempt_loop(&self, s: &mut Downstream<'_>, ctx: &mut RequestCtx, planned: Planned) -> Outcome {
+        let Planned { active, plan, body, mut ticket } = planned;
         // One clock reading per attempt: routing, the pool's idle check and the dispatch time.
         let mut now = Instant::now();
         self.state.retry_budget.lock().record_request(now);
         loop {
-            let pick = match self.pick(&active, plan, ctx, now) {
+            let pick = match self.pick(&active, &plan, ctx, now) {
                 Ok(p) => p,
                 Err(e) => return self.fail(s, e, ctx).await,
             };
@@ -136,15 +69,14 @@ impl ProxyApp {
             let mut inflight = InflightGuard::new(backend.clone(), pick.uncached, pick.work, plan.stream, now);
             drop(ticket.take());
             let id = ctx.request_id.as_deref().unwrap_or("");
-            match self.exchange(s, &backend, body, &active.config, id, now).await {
-                Ok((_, head)) if self.retry_status(&active, plan, ctx, pick.index, head.status) => {}
-                Ok((up, head)) => return self.stream(s, up, head, &active, pick.index, ctx, &mut inflight).await,
-                Err(AttemptError::Refused(error)) => return self.fail(s, error, ctx).await,
-                Err(AttemptError::ClientGone) => {
-                    ctx.status = 499;
-                    ctx.client_gone();
-                    return false;
+            match self.exchange(s, &backend, &body, &active.config, id, now).await {
+                Ok((_, head)) if self.retry_status(&active, &plan, ctx, pick.index, head.status) => {}
+                Ok((up, head)) => {
+                    let engine = Engine { active: &active, index: pick.index };
+                    return self.stream(s, up, head, engine, ctx, &mut inflight).await;
                 }
+                Err(AttemptError::Refused(error)) => return self.fail(s, error, ctx).await,
+                Err(AttemptError::ClientGone) => return Outcome::client_gone(499),
                 Err(AttemptError::Upstream(kind, error)) => {
                     self.upstream_failed(&active, Some(pick.index), kind, error.log_detail());
                     if !kind.retryable() {
@@ -362,7 +294,7 @@ impl ProxyApp {
         // A pooled connection first. Connecting (TCP, maybe TLS) is a future of ~9 KB that
         // would otherwise be inlined into every request's state machine and copied when
         // pingora boxes it, so it gets its own box, on the rare path only.
-        let pooled = self.state.pool().take(backend.pool_key, now);
+        let pooled = self.state.pools.of(crate::cores::current()).take(backend.pool_key, now);
         let (mut up, reused) = match pooled {
             Some(up) => (up, true),
             None => match Box::pin(connect(&self.state.connector, peer, cfg)).await {

@@ -1,9 +1,13 @@
-//! [`RequestCtx`]: everything one request carries from phase to phase (pingora's `CTX`).
+//! [`RequestCtx`]: everything one request carries from phase to phase (pingora's `CTX`), and
+//! [`Outcome`]: how it ended.
 //!
 //! What drives behaviour (the tenant, its token charge, the backends already tried, the
-//! last upstream error) and what is reported at the end (status, timings, bytes, the
-//! routing reason) live in one struct, filled in as the phases run and read once by
-//! [`super::ProxyApp::finish`].
+//! last upstream error) and what is reported at the end (timings, bytes, the routing
+//! reason) live in one struct, filled in as the phases run and read once by
+//! [`super::ProxyApp::finish`]. The status, the error label and whether the client's
+//! connection may carry another request are not fields anyone writes: each phase returns
+//! them as an [`Outcome`] (pingora's `FailToProxy { error_code, can_reuse_downstream }`), and
+//! `finish` derives the metrics, the access line and the connection's reuse from it.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -11,8 +15,55 @@ use std::time::{Duration, Instant};
 
 use crate::auth::Tenant;
 use crate::body_budget::BodyReservation;
-use crate::error::ProxyError;
+use crate::error::{ProxyError, UpstreamErrorKind};
 use crate::request::UsageMeter;
+
+use super::inflight::InflightGuard;
+
+/// Whether the client's connection may carry another request after this one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reuse {
+    /// The exchange ended cleanly: the connection may carry the next request.
+    Keep,
+    /// Close it (the body was not read to its end, the answer was cut, the client left; or
+    /// the transport has no connection to keep, as an ext_proc stream).
+    Close,
+}
+
+/// How a request ended: the status sent (499: the client left first), whether its
+/// connection may be reused, and the error label for metrics and the access log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Outcome {
+    /// The status sent to the client (the engine's, or the gateway's own answer).
+    pub status: u16,
+    /// Whether the client's connection may carry another request.
+    pub reuse: Reuse,
+    /// What went wrong ([`ProxyError::kind`], [`UpstreamErrorKind::label`], `client_gone`).
+    pub error: Option<&'static str>,
+}
+
+impl Outcome {
+    /// An answer sent as `status`.
+    pub fn answered(status: u16, reuse: Reuse) -> Self {
+        Outcome { status, reuse, error: None }
+    }
+
+    /// The gateway answered `e`.
+    pub fn failed(e: &ProxyError, reuse: Reuse) -> Self {
+        Outcome { status: e.status(), reuse, error: Some(e.kind()) }
+    }
+
+    /// The client left: before any answer (`status` 499), or during the engine's
+    /// (`status` the engine's).
+    pub fn client_gone(status: u16) -> Self {
+        Outcome { status, reuse: Reuse::Close, error: Some("client_gone") }
+    }
+
+    /// The engine failed after its answer (`status`) had begun.
+    pub fn broken(status: u16, kind: UpstreamErrorKind) -> Self {
+        Outcome { status, reuse: Reuse::Close, error: Some(kind.label()) }
+    }
+}
 
 /// Which token budget a request was charged to.
 #[derive(Clone)]
@@ -44,8 +95,6 @@ pub(crate) struct RequestCtx {
     pub method: Cow<'static, str>,
     /// Request path (no query).
     pub path: Cow<'static, str>,
-    /// Status sent (0 until one is; 499: the client left).
-    pub status: u16,
     /// Requested (or defaulted) model.
     pub model: Option<String>,
     /// Streamed response asked for.
@@ -83,8 +132,6 @@ pub(crate) struct RequestCtx {
     pub chunks: usize,
     /// Retries on other backends.
     pub retries: u32,
-    /// Error label for metrics and the access log.
-    pub error_kind: Option<&'static str>,
     /// `X-Request-Id` (the client's, else made here), for completions.
     pub request_id: Option<String>,
     /// The body's bytes in the process-wide buffer budget, given back with the context.
@@ -98,7 +145,6 @@ impl RequestCtx {
             started: Instant::now(),
             method: common(method),
             path: common(path),
-            status: 0,
             model: None,
             stream: false,
             tenant: None,
@@ -117,7 +163,6 @@ impl RequestCtx {
             response_bytes: 0,
             chunks: 0,
             retries: 0,
-            error_kind: None,
             request_id: None,
             body_held: None,
         }
@@ -147,9 +192,35 @@ impl RequestCtx {
         self.request_id = Some(id);
     }
 
-    /// The client went away.
-    pub fn client_gone(&mut self) {
-        self.error_kind = Some("client_gone");
+    /// Account a piece of the engine's response body about to reach the client: the first
+    /// bytes are the TTFT (returned, to be observed where the backend's histogram is), the
+    /// first generated content ends the prefill the policy learns from (`inflight`), the
+    /// usage settles the token charge. HTTP's stream phase and the picker's response phase
+    /// both call it.
+    pub fn observe_response(&mut self, chunk: &[u8], inflight: &mut InflightGuard) -> Option<Duration> {
+        if chunk.is_empty() {
+            return None;
+        }
+        let first_content = !inflight.prefilled() && (!self.sse || self.content.observe(chunk));
+        let first_bytes = self.ttft.is_none();
+        let mut ttft = None;
+        if first_content || first_bytes {
+            let now = Instant::now();
+            if first_content {
+                inflight.first_content(now);
+            }
+            if first_bytes {
+                let t = now.saturating_duration_since(self.started);
+                self.ttft = Some(t);
+                ttft = Some(t);
+            }
+        }
+        self.response_bytes += chunk.len();
+        self.chunks += 1;
+        if self.charged.is_some() {
+            self.usage.observe(chunk);
+        }
+        ttft
     }
 }
 

@@ -4,16 +4,16 @@
 //! The proxy and the fuzz target ([`crate::fuzzing`]) call the same function, so the fuzzer
 //! exercises the real request path, not a copy of it.
 
+use crate::active::Active;
 use crate::auth::Tenant;
 use crate::downstream::RequestHead;
 use crate::error::ProxyError;
-use crate::kv_events::subscriber::{KvEventsShared, PrecisePrompt};
+use crate::kv_events::prompt::{PrecisePrompt, PromptTokenizer};
 use crate::request::tokens::SeenPrompt;
 use crate::request::{
     canonical_prompt_blocks, form_data_boundary, form_routing_fields, routing_fields, routing_fields_and_blocks,
     PromptPass,
 };
-use crate::state::Active;
 
 /// What a request will be routed and charged as.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,8 +46,25 @@ pub struct RoutePlan {
     pub model_rewrite: Option<(std::ops::Range<usize>, Vec<u8>)>,
 }
 
+/// A request the planner refuses: the error to answer, and whether it asked for a stream
+/// (for the access line; `false` when its fields could not be read).
+#[derive(Debug)]
+pub struct PlanRefused {
+    /// What to answer.
+    pub error: ProxyError,
+    /// The body's `stream`, when it was read.
+    pub stream: bool,
+}
+
+impl From<ProxyError> for PlanRefused {
+    fn from(error: ProxyError) -> Self {
+        PlanRefused { error, stream: false }
+    }
+}
+
 /// Plan `body` (sent with `head`) under the config, policy and backends of `active`.
-/// `tenant` is the API key's, when keys are on; `kv`: the precise index, when configured.
+/// `tenant` is the API key's, when keys are on; `kv`: the prompt tokenizer of the precise
+/// index, when configured.
 ///
 /// # Errors
 /// 400 for a body that is not a JSON object with well-typed routing fields, or one that
@@ -57,8 +74,8 @@ pub fn plan_request(
     body: &[u8],
     active: &Active,
     tenant: Option<&Tenant>,
-    kv: Option<&KvEventsShared>,
-) -> Result<RoutePlan, ProxyError> {
+    kv: Option<&PromptTokenizer>,
+) -> Result<RoutePlan, PlanRefused> {
     let cfg = &active.config;
     let boundary = form_boundary(head).transpose().map_err(ProxyError::BadRequest)?;
     // A policy that reads prefixes gets the prompt's block hashes from the same pass.
@@ -66,7 +83,7 @@ pub fn plan_request(
         Some(boundary) => (form_routing_fields(body, boundary)?, None),
         None if active.policy.uses_prefix() => {
             // The prompt as the engine reads it too, when the precise index will tokenize it.
-            let see = kv.is_some_and(KvEventsShared::tokenizes);
+            let see = kv.is_some();
             let (fields, pass) =
                 routing_fields_and_blocks(body, &cfg.limits.prompt_limits(), cfg.prefix_index.block_bytes, see)?;
             (fields, Some(pass))
@@ -90,7 +107,10 @@ pub fn plan_request(
         },
         None => match active.cluster.models().as_slice() {
             [only] => (only.clone(), None, None),
-            _ => return Err(ProxyError::BadRequest("model is required".into())),
+            _ => {
+                let error = ProxyError::BadRequest("model is required".into());
+                return Err(PlanRefused { error, stream: fields.stream });
+            }
         },
     };
     // The header may lower a key's priority, never raise it; without keys it is capped.
@@ -152,7 +172,7 @@ impl RoutePlan {
     /// estimate, and its precise block keys when `kv` can tokenize (prefix-aware policies);
     /// the session header (`session`). Called again when a reload changed the policy while
     /// the request waited in the queue.
-    pub fn fit_policy(&mut self, head: &RequestHead, body: &[u8], active: &Active, kv: Option<&KvEventsShared>) {
+    pub fn fit_policy(&mut self, head: &RequestHead, body: &[u8], active: &Active, kv: Option<&PromptTokenizer>) {
         let form = form_boundary(head).is_some();
         self.fit_policy_with(head, body, active, kv, form, None);
     }
@@ -165,7 +185,7 @@ impl RoutePlan {
         head: &RequestHead,
         body: &[u8],
         active: &Active,
-        kv: Option<&KvEventsShared>,
+        kv: Option<&PromptTokenizer>,
         form: bool,
         pass: Option<PromptPass>,
     ) {
@@ -267,7 +287,7 @@ mod tests {
     fn bad_bodies_are_400() {
         let a = active("");
         for body in [&b"[]"[..], b"{\"model\":1}", b"{\"stream\":\"yes\"}"] {
-            assert_eq!(plan_request(&head(&[]), body, &a, None, None).unwrap_err().status(), 400);
+            assert_eq!(plan_request(&head(&[]), body, &a, None, None).unwrap_err().error.status(), 400);
         }
     }
 }

@@ -4,10 +4,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::active::Active;
 use crate::admission::{Full, TenantCap, Ticket};
 use crate::error::ProxyError;
 use crate::metrics::GatewayMetrics;
-use crate::state::Active;
 
 use super::{routable, ProxyApp};
 

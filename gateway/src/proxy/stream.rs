@@ -6,94 +6,81 @@
 //! stream ends with a final error event ([`ProxyError::StreamBroken`]) instead of a silent
 //! truncation. The upstream connection goes back to the pool only after a clean end.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::BytesMut;
 use tokio::time::timeout;
 
+use crate::active::Active;
 use crate::cluster::Backend;
 use crate::downstream::Downstream;
 use crate::error::{ProxyError, UpstreamErrorKind};
-use crate::state::Active;
 use crate::upstream::{EngineConnection, EngineIoError, Framing, Progress, ResponseHead};
 
-use super::attempt::InflightGuard;
-use super::ctx::RequestCtx;
+use super::ctx::{Outcome, RequestCtx, Reuse};
+use super::inflight::InflightGuard;
 use super::ProxyApp;
 
 /// The body bytes already taken when the head was sent, and where the body stood then.
 type Started = (BytesMut, Result<Progress, EngineIoError>);
 
 impl ProxyApp {
-    /// Stream `up`'s response (its `head` already read) from backend `index` to the client;
-    /// true when the client connection may be reused.
-    #[allow(clippy::too_many_arguments)]
+    /// Stream `up`'s response (its `head` already read) from backend `index` to the client
+    /// (the [`Engine`] it is on: `inflight` counts it there).
     pub(super) async fn stream(
         &self,
         s: &mut Downstream<'_>,
         mut up: EngineConnection,
         head: ResponseHead,
-        active: &Active,
-        index: usize,
+        engine: Engine<'_>,
         ctx: &mut RequestCtx,
         inflight: &mut InflightGuard,
-    ) -> bool {
-        let is_sse = head.is_sse;
-        let Some((mut buf, mut next)) = self.send_head(s, &mut up, head, active, index, ctx).await else {
-            return false;
+    ) -> Outcome {
+        let (status, is_sse) = (head.status, head.is_sse);
+        let Some((mut buf, mut next)) = self.send_head(s, &mut up, head, engine, ctx).await else {
+            return Outcome::client_gone(status);
         };
         // Nothing of the body yet (a stream in prefill): the head leaves now.
         if buf.is_empty() && matches!(next, Ok(Progress::More)) && !s.flush_head().await {
-            ctx.client_gone();
-            return false;
+            return Outcome::client_gone(status);
         }
-        let idle = active.config.timeouts.idle();
-        let backend = &active.cluster.backends[index];
+        let idle = engine.active.config.timeouts.idle();
         loop {
             let end = matches!(next, Ok(Progress::Ended));
-            if (!buf.is_empty() || end) && !self.forward(s, &mut buf, end, backend, ctx, inflight).await {
-                return false;
+            if (!buf.is_empty() || end) && !self.forward(s, &mut buf, end, engine, ctx, inflight).await {
+                return Outcome::client_gone(status);
             }
             match next {
                 Ok(Progress::More) => {}
                 Ok(Progress::Ended) => {
-                    self.release(up, active, index);
-                    return true;
+                    self.release(up, engine);
+                    return Outcome::answered(status, Reuse::Keep);
                 }
-                Err(e) => return self.broken(s, &e, is_sse, active, index, ctx).await,
+                Err(e) => return self.broken(s, &e, is_sse, engine, status).await,
             }
             // The engine's side first: while it has bytes ready, the client is not read as well.
             next = tokio::select! {
                 biased;
                 r = timeout(idle, up.read_body(&mut buf)) => r.unwrap_or(Err(EngineIoError::ReadTimeout)),
-                () = s.closed() => {
-                    // The client left: dropping `up` closes the engine connection (abort).
-                    ctx.client_gone();
-                    return false;
-                }
+                // The client left: dropping `up` closes the engine connection (abort).
+                () = s.closed() => return Outcome::client_gone(status),
             };
         }
     }
 
-    /// Count the engine's status (a 5xx is a failure of the backend), and send the
-    /// client-bound head with what of the body has already arrived; `None` when the
-    /// client is gone or the head cannot be built.
+    /// Count the engine's status ([`Self::engine_answered`]), and send the client-bound head
+    /// with what of the body has already arrived; `None` when the client is gone or the
+    /// head cannot be built.
     async fn send_head(
         &self,
         s: &mut Downstream<'_>,
         up: &mut EngineConnection,
         head: ResponseHead,
-        active: &Active,
-        index: usize,
+        engine: Engine<'_>,
         ctx: &mut RequestCtx,
     ) -> Option<Started> {
-        ctx.status = head.status;
-        if ctx.status >= 500 {
-            let detail = format!("status {}", ctx.status);
-            self.upstream_failed(active, Some(index), UpstreamErrorKind::Status5xx, &detail);
-        } else {
-            active.cluster.backends[index].record_success();
-        }
+        self.engine_answered(engine, head.status);
         ctx.sse = head.is_sse;
         // The alias written back changes the length: the engine's is not kept then.
         let engine_length = match head.framing {
@@ -121,7 +108,6 @@ impl ProxyApp {
         let fields = head.fields();
         let fields = fields.chain(id.map(|id| (crate::http::REQUEST_ID.as_bytes(), id.as_bytes())));
         if !s.write_head(head.status, fields, length).await {
-            ctx.client_gone();
             return None;
         }
         Some((buf, next))
@@ -134,33 +120,30 @@ impl ProxyApp {
         s: &mut Downstream<'_>,
         e: &EngineIoError,
         is_sse: bool,
-        active: &Active,
-        index: usize,
-        ctx: &mut RequestCtx,
-    ) -> bool {
+        engine: Engine<'_>,
+        status: u16,
+    ) -> Outcome {
         let kind = if matches!(e, EngineIoError::ReadTimeout) {
             UpstreamErrorKind::IdleTimeout
         } else {
             UpstreamErrorKind::StreamBroken
         };
-        self.upstream_failed(active, Some(index), kind, e);
-        ctx.error_kind = Some(kind.label());
+        self.upstream_failed(engine.active, Some(engine.index), kind, e);
         if is_sse {
             s.write_body(ProxyError::StreamBroken(kind).sse_event().into(), true).await;
         }
         s.close_after();
-        false
+        Outcome::broken(status, kind)
     }
 
-    /// Write what `buf` holds to the client (the first bytes are the TTFT metric; the first
-    /// generated content ends the prefill the policy learns from); false when the client is
-    /// gone.
+    /// Write what `buf` holds to the client, accounted ([`RequestCtx::observe_response`]);
+    /// false when the client is gone.
     async fn forward(
         &self,
         s: &mut Downstream<'_>,
         buf: &mut BytesMut,
         end: bool,
-        backend: &Backend,
+        engine: Engine<'_>,
         ctx: &mut RequestCtx,
         inflight: &mut InflightGuard,
     ) -> bool {
@@ -169,35 +152,43 @@ impl ProxyApp {
             buf.clear();
             buf.extend_from_slice(&rewritten);
         }
-        let first_content = !inflight.prefilled() && !buf.is_empty() && (!ctx.sse || ctx.content.observe(buf));
-        let first_bytes = !buf.is_empty() && ctx.ttft.is_none();
-        if first_content || first_bytes {
-            let now = Instant::now();
-            if first_content {
-                inflight.first_content(now);
-            }
-            if first_bytes {
-                let t = now.saturating_duration_since(ctx.started);
-                ctx.ttft = Some(t);
-                self.state.metrics.of(backend).ttft.observe(t.as_secs_f64());
-            }
+        if let Some(ttft) = ctx.observe_response(buf, inflight) {
+            self.state.metrics.of(engine.backend()).ttft.observe(ttft.as_secs_f64());
         }
-        ctx.response_bytes += buf.len();
-        ctx.chunks += 1;
-        if ctx.charged.is_some() {
-            ctx.usage.observe(buf);
-        }
-        if !s.write_body_from(buf, end).await {
-            ctx.client_gone();
-            return false;
-        }
-        true
+        s.write_body_from(buf, end).await
     }
 
     /// A response that ended cleanly leaves its connection to the pool.
-    fn release(&self, up: EngineConnection, active: &Active, index: usize) {
+    fn release(&self, up: EngineConnection, engine: Engine<'_>) {
         if let Some(conn) = up.into_reusable() {
-            self.state.pool().put(active.cluster.backends[index].pool_key, conn, Instant::now());
+            self.state.pools.of(crate::cores::current()).put(engine.backend().pool_key, conn, Instant::now());
         }
+    }
+
+    /// The engine answered `status`: a 5xx counts against it (outlier ejection), anything
+    /// else is a success. HTTP's stream phase and the picker's response phase both call it.
+    pub(crate) fn engine_answered(&self, engine: Engine<'_>, status: u16) {
+        if status >= 500 {
+            let detail = format!("status {status}");
+            self.upstream_failed(engine.active, Some(engine.index), UpstreamErrorKind::Status5xx, &detail);
+        } else {
+            engine.backend().record_success();
+        }
+    }
+}
+
+/// The engine a request is on: its position in the cluster view of the snapshot `active`.
+#[derive(Clone, Copy)]
+pub(crate) struct Engine<'a> {
+    /// The snapshot the request was routed in.
+    pub active: &'a Active,
+    /// The backend's position in `active`'s cluster view.
+    pub index: usize,
+}
+
+impl Engine<'_> {
+    /// The backend.
+    pub fn backend(&self) -> &Arc<Backend> {
+        &self.active.cluster.backends[self.index]
     }
 }

@@ -5,8 +5,8 @@ use std::ops::Range;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use super::body::Framing;
 use crate::downstream::RequestHead;
+use crate::framing::Framing;
 use crate::http::{is_hop_by_hop, EDGE_ONLY, REQUEST_ID};
 
 /// The most response header fields read from an engine.

@@ -14,7 +14,6 @@
 //! wrapper (a boxed trait object that times every read and write) cost ~800 instructions per
 //! request there, and is kept for `https://` engines, whose TLS it brings.
 
-pub(crate) mod body;
 pub(crate) mod head;
 
 use std::io;
@@ -28,7 +27,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::timeout;
 
-pub(crate) use body::{BodyDecoder, BodyError, Framing, Progress};
+pub(crate) use crate::framing::{BodyDecoder, BodyError, Framing, Progress};
 pub(crate) use head::{request_head, Forwarded, HeadError, ResponseHead};
 
 /// Room made before each read from an engine.

@@ -1,4 +1,5 @@
-//! An engine response body's framing, decoded incrementally (RFC 9112 §6–7).
+//! An HTTP/1.1 message body's framing, decoded incrementally (RFC 9112 §6–7): an engine's
+//! response body ([`crate::upstream`]) and a client's request body ([`crate::downstream`]).
 //!
 //! [`BodyDecoder::decode`] takes whatever bytes have arrived, moves the body's data into the
 //! client-bound buffer and keeps the framing (chunk sizes, CRLFs, trailers) to itself; bytes

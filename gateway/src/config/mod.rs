@@ -7,16 +7,18 @@
 //! (`switchyard-gateway --validate FILE` prints them). Defaults are the `DEFAULT_*` constants. Durations are milliseconds in the
 //! file (`_ms` keys) and [`Duration`]s through the accessors.
 
+pub mod auth;
+
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::auth::AuthConfig;
 use crate::error::{ConfigError, Errors};
 use crate::policy::PolicyConfig;
 use crate::tls::TlsConfig;
+pub use auth::{ApiKeyConfig, AuthConfig, SharedLimitsConfig};
 
 /// Default `listen`.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
@@ -298,7 +300,7 @@ pub struct AdminConfig {
 impl AdminConfig {
     fn validate(&self, errs: &mut Errors) {
         if let Some(t) = &self.token_sha256 {
-            if crate::auth::parse_sha256(t).is_none() {
+            if auth::parse_sha256(t).is_none() {
                 errs.add("admin.token_sha256", t, "must be 64 hex digits (the SHA-256 of the token)");
             }
         }
@@ -1186,7 +1188,7 @@ retries: { max_attempts: 3 }
     /// (deserialized, not validated: the files it names exist in a pod, not here).
     #[test]
     fn the_readme_reference_parses() {
-        let readme = include_str!("../../README.md");
+        let readme = include_str!("../../../README.md");
         let section = readme.split("### `switchyard-gateway --config").nth(1).expect("README has the gateway section");
         let yaml = section.split("```yaml\n").nth(1).and_then(|b| b.split("```").next()).expect("a yaml block");
         let cfg: GatewayConfig = serde_yaml::from_str(yaml).unwrap_or_else(|e| panic!("README gateway config: {e}"));

@@ -1,0 +1,223 @@
+//! One request driver for every transport (#43): the same table of cases — the route table,
+//! engine administration refused, keys, token budgets, body caps, unknown models, aliases,
+//! the admission queue — sent over HTTP/1.1, h2c and the Endpoint Picker (ext_proc, through
+//! a real Envoy), each case held to the same status, and to not reaching the engine where it
+//! is refused. A failure names the case and the transport.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use serde_json::json;
+use switchyard_testkit::*;
+
+const KEY: &str = "sk-driver-0123456789";
+/// Model served by a backend that is down: requests for it wait in the queue, then time out.
+const QUEUED_MODEL: &str = "q";
+const QUEUE_WAIT_MS: u64 = 300;
+const MAX_BODY: usize = 4096;
+
+/// The three ways in.
+#[derive(Debug, Clone, Copy)]
+enum Transport {
+    Http1,
+    H2c,
+    /// Envoy with the gateway as its ext_proc Endpoint Picker.
+    ExtProc,
+}
+
+/// An answer, read whole.
+struct Answer {
+    status: u16,
+    headers: hyper::HeaderMap,
+    body: String,
+}
+
+/// Send one request over `transport` (`addr`: the gateway's API listener, or Envoy's).
+async fn send_over(
+    transport: Transport,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> Answer {
+    match transport {
+        Transport::Http1 | Transport::ExtProc => {
+            let r = send_with(addr, method, path, headers, body).await;
+            let (status, headers) = (r.status, r.headers.clone());
+            Answer { status, headers, body: r.text().await }
+        }
+        Transport::H2c => {
+            let (mut sender, _conn) = h2c_connect(addr).await;
+            let mut req = hyper::Request::builder()
+                .method(method)
+                .uri(format!("http://{addr}{path}"))
+                .header("content-type", "application/json");
+            for (k, v) in headers {
+                req = req.header(*k, *v);
+            }
+            let resp = sender.send_request(req.body(Full::new(body)).unwrap()).await.expect("h2c response");
+            let (parts, body) = resp.into_parts();
+            let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            Answer {
+                status: parts.status.as_u16(),
+                headers: parts.headers,
+                body: String::from_utf8_lossy(&body).into_owned(),
+            }
+        }
+    }
+}
+
+/// What the engine saw besides scrapes: the request lines of everything that reached it.
+fn reached(engine: &FaultEngine) -> Vec<String> {
+    let lines = engine.seen.lines.lock().unwrap();
+    lines.iter().filter(|l| !l.starts_with("GET /metrics") && !l.starts_with("GET /v1/models")).cloned().collect()
+}
+
+/// One case of the table.
+struct Case {
+    name: &'static str,
+    method: &'static str,
+    path: &'static str,
+    /// Send the API key.
+    key: bool,
+    body: Bytes,
+    status: u16,
+    /// The engine gets the request (else: refused before it).
+    reaches_engine: bool,
+}
+
+fn completion(model: &str) -> Bytes {
+    Bytes::from(json!({"model": model, "prompt": "hello", "max_tokens": 2}).to_string())
+}
+
+fn cases() -> Vec<Case> {
+    let case = |name, method, path, key, body, status, reaches_engine| Case {
+        name,
+        method,
+        path,
+        key,
+        body,
+        status,
+        reaches_engine,
+    };
+    let mut v = vec![
+        case("unknown route", "GET", "/no/such/route", true, Bytes::new(), 404, false),
+        case("unknown route, POSTed", "POST", "/invocations", false, completion("m"), 404, false),
+        case("vLLM's /generate", "POST", "/generate", false, completion("m"), 404, false),
+        case("known route, wrong method", "PUT", "/v1/completions", true, completion("m"), 405, false),
+        case("missing key", "POST", "/v1/completions", false, completion("m"), 401, false),
+        case("oversize body", "POST", "/v1/completions", true, Bytes::from(vec![b' '; 2 * MAX_BODY]), 413, false),
+        case("not JSON", "POST", "/v1/completions", true, Bytes::from_static(b"not json"), 400, false),
+        case("unknown model", "POST", "/v1/completions", true, completion("nope"), 404, false),
+        case("queue timeout", "POST", "/v1/completions", true, completion(QUEUED_MODEL), 503, false),
+        case("alias rewritten", "POST", "/v1/completions", true, completion("short"), 200, true),
+        case("the gateway's model list", "GET", "/v1/models", true, Bytes::new(), 200, false),
+    ];
+    for path in ["/reset_prefix_cache", "/collective_rpc", "/v1/load_lora_adapter", "/start_profile", "/sleep"] {
+        v.push(case("engine administration", "POST", path, true, completion("m"), 404, false));
+    }
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_rule_holds_the_same_on_http1_h2c_and_the_endpoint_picker() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let poor = ["poor-http1", "poor-h2c", "poor-extproc"];
+    let mut config = GatewayConfigBuilder::new()
+        .backends([engine.url()])
+        .backend_serving(&dead, &[QUEUED_MODEL])
+        .scrape_interval_ms(100)
+        .api_key(ApiKey::new("team", &sha256(KEY)))
+        .section("epp", "{ listen: 127.0.0.1:0 }")
+        .section("limits", &format!("{{ max_body_bytes: {MAX_BODY} }}"))
+        .section("admission", &format!("{{ max_queue: 8, max_wait_ms: {QUEUE_WAIT_MS} }}"))
+        .section("models", "{ short: { targets: [ { model: m, weight: 1 } ] } }");
+    // A key per transport whose token budget the first request spends.
+    for tenant in poor {
+        config = config.api_key(ApiKey::new(tenant, &sha256(&format!("sk-{tenant}"))).tokens_per_minute(1));
+    }
+    let g = GatewayProc::start(&config);
+    eventually("the engine is scraped and the dead one down", async || {
+        let b = backends(&g).await;
+        let list = b["backends"].as_array().cloned().unwrap_or_default();
+        list.iter().any(|x| x["state"] == "up") && list.iter().any(|x| x["state"] == "down")
+    })
+    .await;
+    let envoy = EnvoyProc::start(g.epp.expect("epp listening line"), false);
+    let auth = format!("Bearer {KEY}");
+    let mut failures = Vec::new();
+    let transports = [(Transport::Http1, g.addr), (Transport::H2c, g.addr), (Transport::ExtProc, envoy.addr)];
+    for (transport, addr) in transports {
+        for c in cases() {
+            let before = reached(&engine).len();
+            let headers: Vec<(&str, &str)> = if c.key { vec![("authorization", auth.as_str())] } else { vec![] };
+            let started = Instant::now();
+            let a = send_over(transport, addr, c.method, c.path, &headers, c.body.clone()).await;
+            let mut wrong = Vec::new();
+            if a.status != c.status {
+                wrong.push(format!("status {} (expected {}): {}", a.status, c.status, a.body));
+            }
+            let now_reached = reached(&engine);
+            if c.reaches_engine != (now_reached.len() > before) {
+                wrong.push(format!("reached the engine: {:?}", &now_reached[before..]));
+            }
+            if c.status >= 400
+                && serde_json::from_str::<serde_json::Value>(&a.body)
+                    .map_or(true, |v| !v["error"]["message"].is_string())
+            {
+                wrong.push(format!("not the OpenAI error shape: {}", a.body));
+            }
+            match c.name {
+                "unknown model" if !a.body.contains("model_not_found") => {
+                    wrong.push(format!("no model_not_found: {}", a.body))
+                }
+                "queue timeout" => {
+                    if started.elapsed() < Duration::from_millis(QUEUE_WAIT_MS) {
+                        wrong.push(format!("answered after {:?}, before the queue's wait", started.elapsed()));
+                    }
+                    if !a.headers.contains_key("retry-after") {
+                        wrong.push("no Retry-After".into());
+                    }
+                }
+                "alias rewritten" => {
+                    let body = engine.seen.requests.lock().unwrap().last().cloned().unwrap_or_default();
+                    if !String::from_utf8_lossy(&body).contains(r#""model":"m""#) {
+                        wrong.push(format!("the engine got {:?}", String::from_utf8_lossy(&body)));
+                    }
+                }
+                "the gateway's model list" if !a.body.contains("\"id\":\"m\"") => {
+                    wrong.push(format!("not the gateway's list of the engines' models: {}", a.body))
+                }
+                _ => {}
+            }
+            if !wrong.is_empty() {
+                failures.push(format!("{transport:?}: {} ({} {}): {}", c.name, c.method, c.path, wrong.join("; ")));
+            }
+        }
+    }
+    // Over the token budget: each transport's key spends it on a first request, the second is
+    // refused with 429 and Retry-After, without reaching the engine.
+    for ((transport, addr), tenant) in transports.into_iter().zip(poor) {
+        let auth = format!("Bearer sk-{tenant}");
+        let headers = [("authorization", auth.as_str())];
+        let first = send_over(transport, addr, "POST", "/v1/completions", &headers, completion("m")).await;
+        let before = reached(&engine).len();
+        let second = send_over(transport, addr, "POST", "/v1/completions", &headers, completion("m")).await;
+        let reached_engine = reached(&engine).len() > before;
+        if first.status != 200 || second.status != 429 || !second.headers.contains_key("retry-after") || reached_engine
+        {
+            failures.push(format!(
+                "{transport:?}: over budget: first {}, second {} ({}), retry-after {}, reached the engine {reached_engine}",
+                first.status,
+                second.status,
+                second.body,
+                second.headers.contains_key("retry-after")
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}\n{}", failures.len(), failures.join("\n"), g.log());
+}
