@@ -198,7 +198,7 @@ impl ExtProcStream {
     /// then the trailers when the request had them. Err when the stream is gone.
     async fn route_to(&self, endpoints: &str, active: &Active, ctx: &RequestCtx, body: &[u8]) -> Result<(), ()> {
         // The body echoed differs in length from the client's: the `Content-Length` goes.
-        send(&self.out, self.route_answer(endpoints, active, ctx, body.len() != ctx.request_bytes)).await?;
+        send(&self.out, self.route_answer(endpoints, active, ctx, body.len() != ctx.request_bytes())).await?;
         let trailers = matches!(self.body_end, Some(BodyEnd::Trailers));
         for part in protocol::request_body(body, !trailers) {
             send(&self.out, part).await?;
@@ -222,18 +222,18 @@ impl ExtProcStream {
                     let headers = h.headers.as_ref();
                     status = protocol::response_status(headers).unwrap_or(0);
                     app.engine_answered(Engine { active, index: r.index }, status);
-                    ctx.sse = protocol::find_header(headers, "content-type")
-                        .is_some_and(|v| v.starts_with(b"text/event-stream"));
-                    let id = ctx.request_id.as_deref().unwrap_or("");
+                    let sse = protocol::find_header(headers, "content-type");
+                    ctx.answer_began(sse.is_some_and(|v| v.starts_with(b"text/event-stream")));
                     // The alias written back changes the length.
-                    let remove: &[&str] = match ctx.writeback {
+                    let remove: &[&str] = match ctx.writeback_mut() {
                         Some(_) => &[protocol::SERVED_KEY, "content-length"],
                         None => &[protocol::SERVED_KEY],
                     };
+                    let id = ctx.request_id().unwrap_or("");
                     (protocol::response_headers(&[(REQUEST_ID, id)], remove), h.end_of_stream)
                 }
                 Msg::ResponseBody(b) => {
-                    let body = match ctx.writeback.as_mut() {
+                    let body = match ctx.writeback_mut() {
                         Some(w) => w.apply(&b.body, b.end_of_stream),
                         None => b.body,
                     };
@@ -276,8 +276,7 @@ impl ExtProcStream {
         }
         let Some(index) = backends.iter().position(|b| endpoint(b) == served) else { return };
         let backend = backends[index].clone();
-        ctx.backend = Some(backend.clone());
-        ctx.retries += 1;
+        ctx.moved_to(backend.clone());
         r.guard = InflightGuard::new(backend, 0, 0, false, Instant::now());
         r.index = index;
     }
@@ -306,7 +305,7 @@ impl ExtProcStream {
     /// `resized`: the body echoed differs in length from the client's (an alias rewrote its
     /// model), so the client's `Content-Length` goes (Envoy then sends the body chunked).
     fn route_answer(&self, endpoints: &str, active: &Active, ctx: &RequestCtx, resized: bool) -> ProcessingResponse {
-        let id = ctx.request_id.as_deref().unwrap_or("");
+        let id = ctx.request_id().unwrap_or("");
         let mut remove = vec![protocol::SERVED_KEY];
         remove.extend_from_slice(EDGE_ONLY);
         if active.config.auth.enabled() {

@@ -86,56 +86,57 @@ impl std::fmt::Debug for Ledger {
     }
 }
 
-/// One request's state, from its head to its access-log line.
+/// One request's state, from its head to its access-log line. Its fields are the request
+/// path's own (`proxy`); another transport's phases (the picker's) use the methods below.
 #[derive(Debug)]
 pub(crate) struct RequestCtx {
     /// When the head was read.
-    pub started: Instant,
+    pub(super) started: Instant,
     /// Request method.
-    pub method: Cow<'static, str>,
+    pub(super) method: Cow<'static, str>,
     /// Request path (no query).
-    pub path: Cow<'static, str>,
+    pub(super) path: Cow<'static, str>,
     /// Requested (or defaulted) model.
-    pub model: Option<String>,
+    pub(super) model: Option<String>,
     /// Streamed response asked for.
-    pub stream: bool,
+    pub(super) stream: bool,
     /// The API key's tenant, refused or not.
-    pub tenant: Option<Arc<Tenant>>,
+    pub(super) tenant: Option<Arc<Tenant>>,
     /// Charged to the tenant's token budget: (total, prompt estimate).
-    pub charged: Option<(u64, u64)>,
+    pub(super) charged: Option<(u64, u64)>,
     /// Which budget the charge went to (where it is settled).
-    pub ledger: Ledger,
+    pub(super) ledger: Ledger,
     /// What the response used, for settling the charge.
-    pub usage: UsageMeter,
+    pub(super) usage: UsageMeter,
     /// Watches a streamed response for its first generated content (prefill-rate learning).
-    pub content: crate::request::ContentDetector,
+    pub(super) content: crate::request::ContentDetector,
     /// The response is an SSE stream.
-    pub sse: bool,
+    pub(super) sse: bool,
     /// An alias to write back over its target in the response (`rewrite_response`).
-    pub writeback: Option<Box<crate::aliases::Writeback>>,
+    pub(super) writeback: Option<Box<crate::aliases::Writeback>>,
     /// Cluster positions already tried.
-    pub tried: Vec<usize>,
+    pub(super) tried: Vec<usize>,
     /// The last failed attempt's error (answered when no attempt is left).
-    pub last_error: Option<ProxyError>,
+    pub(super) last_error: Option<ProxyError>,
     /// The backend of the last attempt.
-    pub backend: Option<Arc<crate::cluster::Backend>>,
+    pub(super) backend: Option<Arc<crate::cluster::Backend>>,
     /// The policy's reason for it.
-    pub reason: Option<&'static str>,
+    pub(super) reason: Option<&'static str>,
     /// Arrival → first response chunk.
-    pub ttft: Option<Duration>,
+    pub(super) ttft: Option<Duration>,
     /// Request body bytes.
-    pub request_bytes: usize,
+    pub(super) request_bytes: usize,
     /// Response body bytes.
-    pub response_bytes: usize,
+    pub(super) response_bytes: usize,
     /// Response body writes to the client (each carries every body byte the engine had
     /// sent by then, so one write may hold several SSE events).
-    pub chunks: usize,
+    pub(super) chunks: usize,
     /// Retries on other backends.
-    pub retries: u32,
+    pub(super) retries: u32,
     /// `X-Request-Id` (the client's, else made here), for completions.
-    pub request_id: Option<String>,
+    pub(super) request_id: Option<String>,
     /// The body's bytes in the process-wide buffer budget, given back with the context.
-    pub body_held: Option<BodyReservation>,
+    pub(super) body_held: Option<BodyReservation>,
 }
 
 impl RequestCtx {
@@ -166,6 +167,32 @@ impl RequestCtx {
             request_id: None,
             body_held: None,
         }
+    }
+
+    /// `X-Request-Id`, once the request is an inference request.
+    pub fn request_id(&self) -> Option<&str> {
+        self.request_id.as_deref()
+    }
+
+    /// The request body's length as the client sent it.
+    pub fn request_bytes(&self) -> usize {
+        self.request_bytes
+    }
+
+    /// The alias to write back over its target in the response, if any.
+    pub fn writeback_mut(&mut self) -> Option<&mut crate::aliases::Writeback> {
+        self.writeback.as_deref_mut()
+    }
+
+    /// The engine's answer began: an SSE stream or not (for the first content).
+    pub fn answer_began(&mut self, sse: bool) {
+        self.sse = sse;
+    }
+
+    /// The gateway in front went down its fallback list: the request is on `backend` now.
+    pub fn moved_to(&mut self, backend: Arc<crate::cluster::Backend>) {
+        self.backend = Some(backend);
+        self.retries += 1;
     }
 
     /// The tenant's name, or "" without API keys.
