@@ -20,7 +20,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENVOY = os.environ.get("SWITCHYARD_ENVOY", os.path.join(ROOT, ".cache", "envoy", "envoy", "_bin", "envoy"))
-GATEWAY = os.path.join(ROOT, "target", "release", "switchyard-gateway")
+# SWITCHYARD_BENCH_GATEWAY_BIN: another gateway binary (an older build, for a before/after).
+GATEWAY = os.environ.get("SWITCHYARD_BENCH_GATEWAY_BIN") or os.path.join(ROOT, "target", "release", "switchyard-gateway")
 PR_SET_PDEATHSIG = 1
 
 
