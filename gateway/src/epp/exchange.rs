@@ -116,9 +116,12 @@ pub(super) async fn serve(
     };
     let body_end = headers.end_of_stream.then_some(BodyEnd::Chunk);
     let mut stream = ExtProcStream { epp, inbound, out, head, meta, body_end, response_ended: false };
-    app.drive(&mut stream, state.active.load_full()).await;
+    // The request's one snapshot of the config, policy and backends.
+    let active = state.active.load_full();
+    let idle = active.config.timeouts.idle();
+    app.drive(&mut stream, active).await;
     if stream.response_ended {
-        stream.drain(state.active.load().config.timeouts.idle()).await;
+        stream.drain(idle).await;
     }
 }
 
