@@ -77,16 +77,22 @@ pub(crate) mod tests {
         Arc::new(ModelTokenizer::from_hf(doc.to_string().as_bytes(), Some(&config)).unwrap())
     }
 
-    #[test]
-    fn a_prompt_becomes_the_block_keys_the_engine_caches_it_under() {
-        let tokenizer = PromptTokenizer::new(letters(), 1 << 20, 4);
-        let body = br#"{"messages":[{"role":"user","content":"hello world"}]}"#;
-        let prompt = tokenizer.precise_prompt(body, SeenPrompt::Unknown).expect("a chat tokenizes");
-        // `<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n`, a token a character.
+    /// A chat asking "hello world", and its prompt as the engine renders it (ChatML:
+    /// `<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n`).
+    pub(crate) fn hello_world() -> (&'static [u8], String) {
         let text = switchyard_tokenizer::render_chatml(&[switchyard_tokenizer::ChatMessage {
             role: "user".into(),
             content: "hello world".into(),
         }]);
+        (br#"{"messages":[{"role":"user","content":"hello world"}]}"#, text)
+    }
+
+    #[test]
+    fn a_prompt_becomes_the_block_keys_the_engine_caches_it_under() {
+        let tokenizer = PromptTokenizer::new(letters(), 1 << 20, 4);
+        let (body, text) = hello_world();
+        // A token a character.
+        let prompt = tokenizer.precise_prompt(body, SeenPrompt::Unknown).expect("a chat tokenizes");
         assert_eq!(prompt.tokens, text.len() as u64);
         assert_eq!(prompt.keys.len(), text.len() / 4);
         assert_eq!(prompt.keys, prompt_keys(&letters().encode(&text), 4));
