@@ -50,6 +50,24 @@ fn request_head(head: &[u8]) -> RequestHead {
     RequestHead::from_parts("POST", "/v1/chat/completions", lines)
 }
 
+/// [`crate::proxy::routes::normalize_target`]'s invariants on `target`.
+fn target_is_normalized_once(target: &str) {
+    let Ok(normal) = crate::proxy::routes::normalize_target(target) else { return };
+    let path = normal.split('?').next().unwrap_or_default();
+    assert!(path.starts_with('/'), "{target:?} → {normal:?}");
+    assert!(!path[1..].split('/').rev().skip(1).any(|s| matches!(s, "" | "." | "..")), "{target:?} → {normal:?}");
+    assert!(!path.split('/').any(|s| matches!(s, "." | "..")), "{target:?} → {normal:?}");
+    let unreserved = |c: u8| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'~');
+    let escapes = path.as_bytes().windows(3).filter(|w| w[0] == b'%');
+    assert!(
+        escapes
+            .clone()
+            .all(|w| u8::from_str_radix(&String::from_utf8_lossy(&w[1..]), 16).is_ok_and(|c| !unreserved(c))),
+        "{target:?} → {normal:?}"
+    );
+    assert_eq!(crate::proxy::routes::normalize_target(&normal).as_deref(), Ok(&*normal), "a fixed point");
+}
+
 /// Run the request path over `data`.
 pub fn request_path(data: &[u8]) {
     let (head, body) = match data.iter().position(|&b| b == 0) {
@@ -68,6 +86,11 @@ pub fn request_path(data: &[u8]) {
         }],
         None,
     );
+    // The head's first line, as a request target: normalized once, a fixed point after that,
+    // never a dot segment, an empty segment or an escape of an unreserved character left.
+    if let Ok(target) = std::str::from_utf8(head.split(|&b| b == b'\n').next().unwrap_or_default()) {
+        target_is_normalized_once(target);
+    }
     let authorization = head.split(|&b| b == b'\n').find_map(|l| l.strip_prefix(b"Authorization: "));
     let tenant = auth.authenticate(authorization).ok().flatten();
 

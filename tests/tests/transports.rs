@@ -119,6 +119,18 @@ fn cases() -> Vec<Case> {
     for path in ["/reset_prefix_cache", "/collective_rpc", "/v1/load_lora_adapter", "/start_profile", "/sleep"] {
         v.push(case("engine administration", "POST", path, true, completion("m"), 404, false));
     }
+    // The same, disguised as an engine's server would read them (#44): routed on the normal form.
+    for path in [
+        "/v1/%6coad_lora_adapter",
+        "/v1/load_lora_adapter/",
+        "/v1/../collective_rpc",
+        "/v1/%2e%2e/reset_prefix_cache",
+        "/v1/chat/..%2F..%2Fcollective_rpc",
+    ] {
+        let status = if path.contains("%2F") { 400 } else { 404 };
+        v.push(case("engine administration, disguised", "POST", path, true, completion("m"), status, false));
+    }
+    v.push(case("an inference route, escaped", "POST", "/v1/%63ompletions", true, completion("m"), 200, true));
     v
 }
 
@@ -188,6 +200,11 @@ async fn every_rule_holds_the_same_on_http1_h2c_and_the_endpoint_picker() {
                     if !String::from_utf8_lossy(&body).contains(r#""model":"m""#) {
                         wrong.push(format!("the engine got {:?}", String::from_utf8_lossy(&body)));
                     }
+                }
+                "an inference route, escaped"
+                    if now_reached.last().map(String::as_str) != Some("POST /v1/completions HTTP/1.1") =>
+                {
+                    wrong.push(format!("the engine got {:?}, not the normal form", now_reached.last()))
                 }
                 "the gateway's model list" if !a.body.contains("\"id\":\"m\"") => {
                     wrong.push(format!("not the gateway's list of the engines' models: {}", a.body))

@@ -309,6 +309,11 @@ impl ExtProcStream {
     /// model), so the client's `Content-Length` goes (Envoy then sends the body chunked).
     fn route_answer(&self, endpoints: &str, active: &Active, ctx: &RequestCtx, resized: bool) -> ProcessingResponse {
         let id = ctx.request_id().unwrap_or("");
+        let mut set = vec![(REQUEST_ID, id)];
+        // Envoy forwards `:path` as the client sent it: the normal form, routed on, replaces it.
+        if let Some(target) = ctx.normalized_target() {
+            set.push((":path", target));
+        }
         let mut remove = vec![protocol::SERVED_KEY];
         remove.extend_from_slice(EDGE_ONLY);
         if active.config.auth.enabled() {
@@ -317,7 +322,7 @@ impl ExtProcStream {
         if resized {
             remove.push("content-length");
         }
-        protocol::route_to(&self.epp.destination_header, endpoints, &[(REQUEST_ID, id)], &remove)
+        protocol::route_to(&self.epp.destination_header, endpoints, &set, &remove)
     }
 }
 

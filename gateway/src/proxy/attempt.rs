@@ -68,8 +68,7 @@ impl ProxyApp {
             let backend = active.cluster.backends[pick.index].clone();
             let mut inflight = InflightGuard::new(backend.clone(), pick.uncached, pick.work, plan.stream, now);
             drop(ticket.take());
-            let id = ctx.request_id.as_deref().unwrap_or("");
-            match self.exchange(s, &backend, &body, &active.config, id, now).await {
+            match self.exchange(s, &backend, &body, &active.config, ctx, now).await {
                 Ok((_, head)) if self.retry_status(&active, &plan, ctx, pick.index, head.status) => {}
                 Ok((up, head)) => {
                     let engine = Engine { active: &active, index: pick.index };
@@ -284,7 +283,7 @@ impl ProxyApp {
         backend: &Backend,
         body: &Bytes,
         cfg: &GatewayConfig,
-        request_id: &str,
+        ctx: &RequestCtx,
         now: Instant,
     ) -> Result<(EngineConnection, ResponseHead), AttemptError> {
         let Some(peer) = &backend.peer else {
@@ -305,11 +304,12 @@ impl ProxyApp {
         let fwd = Forwarded {
             peer: s.peer(),
             proto: if cfg.tls.is_some() { "https" } else { "http" },
-            request_id,
+            request_id: ctx.request_id.as_deref().unwrap_or(""),
             strip_authorization: cfg.auth.enabled(),
         };
-        // The query string goes too: the route's bytes reach the engine as the client sent them.
-        let path = s.head().path_and_query();
+        // The query string goes too: the route's bytes reach the engine as the client sent
+        // them, or in their normal form when that differs (what was routed).
+        let path = ctx.target.as_deref().unwrap_or(s.head().path_and_query());
         request_head(up.request_head_buffer(), s.head(), path, &backend.authority, body.len(), &fwd)
             .map_err(|e| AttemptError::Refused(ProxyError::BadRequest(format!("cannot forward this request: {e}"))))?;
         let sent = async {

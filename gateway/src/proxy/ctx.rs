@@ -133,6 +133,9 @@ pub(crate) struct RequestCtx {
     pub(super) chunks: usize,
     /// Retries on other backends.
     pub(super) retries: u32,
+    /// The normalized path and query, when it differs from the one sent: what is routed and
+    /// what an engine gets.
+    pub(super) target: Option<String>,
     /// `X-Request-Id` (the client's, else made here), for completions.
     pub(super) request_id: Option<String>,
     /// The body's bytes in the process-wide buffer budget, given back with the context.
@@ -164,6 +167,7 @@ impl RequestCtx {
             response_bytes: 0,
             chunks: 0,
             retries: 0,
+            target: None,
             request_id: None,
             body_held: None,
         }
@@ -172,6 +176,11 @@ impl RequestCtx {
     /// `X-Request-Id`, once the request is an inference request.
     pub fn request_id(&self) -> Option<&str> {
         self.request_id.as_deref()
+    }
+
+    /// The normalized path and query, when it differs from the one the client sent.
+    pub fn normalized_target(&self) -> Option<&str> {
+        self.target.as_deref()
     }
 
     /// The request body's length as the client sent it.

@@ -12,6 +12,7 @@
 //! engine and streams the answer; the picker names the engine and lets the other gateway
 //! make the exchange).
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::sync::Arc;
 
@@ -30,7 +31,7 @@ use crate::http::REQUEST_ID;
 use super::ctx::{Outcome, RequestCtx, Reuse};
 use super::plan::{plan_request, RoutePlan};
 use super::queue::Admitted;
-use super::routes::{route, Route};
+use super::routes::{normalize_target, route, Route};
 use super::ProxyApp;
 
 /// Why a request body could not be read.
@@ -91,10 +92,18 @@ impl ProxyApp {
     /// the client's connection may carry another request.
     pub(crate) async fn drive<T: Transport + Send>(&self, t: &mut T, active: Arc<Active>) -> Reuse {
         let head = t.head();
-        let mut ctx = RequestCtx::new(head.method(), head.path());
-        let outcome = match self.admit(&active, head.get("authorization"), &mut ctx).await {
-            Err(e) => self.reject(t, e, &ctx).await,
-            Ok(()) => self.route(t, active, &mut ctx).await,
+        let (mut ctx, target) = match normalize_target(head.path_and_query()) {
+            Ok(target) => (RequestCtx::new(head.method(), path_of(&target)), Ok(target)),
+            Err(why) => (RequestCtx::new(head.method(), head.path()), Err(ProxyError::BadRequest(why.into()))),
+        };
+        // Routed on the normal form, and forwarded as such when it differs from what was sent.
+        ctx.target = target.as_ref().ok().and_then(|t| matches!(t, Cow::Owned(_)).then(|| t.to_string()));
+        let outcome = match target {
+            Err(e) => self.fail(t, e, &ctx).await,
+            Ok(_) => match self.admit(&active, head.get("authorization"), &mut ctx).await {
+                Err(e) => self.reject(t, e, &ctx).await,
+                Ok(()) => self.route(t, active, &mut ctx).await,
+            },
         };
         self.finish(&mut ctx, outcome);
         outcome.reuse
@@ -200,6 +209,11 @@ impl ProxyApp {
         let reuse = t.respond(e.status(), "application/json", Bytes::from(e.body()), &fields).await;
         Outcome::failed(&e, reuse)
     }
+}
+
+/// The path of a target (its query left out).
+fn path_of(target: &str) -> &str {
+    target.split_once('?').map_or(target, |(path, _)| path)
 }
 
 /// `GET /v1/models`: the union of the engines' models, each as its engine describes it.

@@ -27,7 +27,7 @@ mod http;
 mod inflight;
 pub(crate) mod plan;
 mod queue;
-mod routes;
+pub(crate) mod routes;
 mod stream;
 mod tenant;
 

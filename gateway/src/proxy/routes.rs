@@ -5,6 +5,12 @@
 //! inference routes to an engine, and refuses everything else — the engines' administrative
 //! routes (`/reset_prefix_cache`, `/collective_rpc`, `/start_profile`, `/sleep`, LoRA loading)
 //! included: a client must not change an engine it shares with others.
+//!
+//! Routing is on the normalized path ([`normalize_target`]), and that is what an engine gets:
+//! an engine's server decodes and resolves what the gateway would otherwise not have
+//! (`/v1/%6coad_lora_adapter`, `/v1/../collective_rpc` are the same routes to it).
+
+use std::borrow::Cow;
 
 /// What to do with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,12 +68,86 @@ pub(crate) fn needs_key(path: &str) -> bool {
 }
 
 /// Whether `path` is an inference route the gateway sends to an engine when POSTed: every
-/// `/v1/*` route but the model list and the engines' administrative routes, and vLLM's model
-/// routes outside `/v1/` ([`ENGINE_ROUTES`]). The body names the model (JSON, or the `model`
-/// field of a multipart form).
+/// `/v1/*` route but the model list and the engines' administrative routes (with or without a
+/// trailing slash), and vLLM's model routes outside `/v1/` ([`ENGINE_ROUTES`]). The body
+/// names the model (JSON, or the `model` field of a multipart form).
 fn is_inference(path: &str) -> bool {
     let v1 = path.starts_with("/v1/") && path != "/v1/models" && !path.starts_with(MODEL_PREFIX);
-    (v1 && !ENGINE_ADMIN_ROUTES.contains(&path)) || ENGINE_ROUTES.contains(&path)
+    let bare = path.trim_end_matches('/');
+    (v1 && !ENGINE_ADMIN_ROUTES.contains(&bare)) || ENGINE_ROUTES.contains(&path)
+}
+
+/// The request target (path and query) as routed and forwarded, RFC 3986 §6.2.2 on the
+/// path: percent-escapes of unreserved characters decoded (`%6c` is `l`), dot segments
+/// removed (`/v1/../x` is `/x`), repeated slashes merged (NGINX's `merge_slashes`); the query
+/// as sent. Borrowed when the target is already normal (nearly every request: one scan).
+///
+/// # Errors
+/// What is refused (400): a fragment, a malformed percent-escape, an escaped `/` or `\`
+/// (an engine would decode it into a path separator), a path not starting with `/`.
+pub(crate) fn normalize_target(target: &str) -> Result<Cow<'_, str>, &'static str> {
+    if target.contains('#') {
+        return Err("a request target has no fragment (#)");
+    }
+    let (path, query) = target.split_at(target.find('?').unwrap_or(target.len()));
+    if !path.starts_with('/') {
+        return Err("the request path must start with /");
+    }
+    let normal = !path.contains('%') && !path.contains("//") && !path.split('/').any(|s| s == "." || s == "..");
+    if normal {
+        return Ok(Cow::Borrowed(target));
+    }
+    let decoded = decode_unreserved(path)?;
+    let segments: Vec<&str> = decoded[1..].split('/').collect();
+    let mut kept: Vec<&str> = Vec::with_capacity(segments.len());
+    for s in &segments {
+        match *s {
+            "" | "." => {}
+            ".." => {
+                kept.pop();
+            }
+            s => kept.push(s),
+        }
+    }
+    // `/a/b/`, `/a/b/.` and `/a/b/..` end in a directory (RFC 3986 §5.2.4).
+    let trailing = segments.last().is_some_and(|s| matches!(*s, "" | "." | "..")) && !kept.is_empty();
+    let mut out = String::with_capacity(target.len());
+    out.push('/');
+    out.push_str(&kept.join("/"));
+    if trailing {
+        out.push('/');
+    }
+    out.push_str(query);
+    Ok(Cow::Owned(out))
+}
+
+/// `path` with its percent-escapes of unreserved characters (ALPHA, DIGIT, `-._~`) decoded and
+/// the others kept (hex in upper case).
+fn decode_unreserved(path: &str) -> Result<String, &'static str> {
+    let bytes = path.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] != b'%' {
+            out.push(bytes[i]);
+            i += 1;
+            continue;
+        }
+        let hex = |b: u8| (b as char).to_digit(16);
+        let (Some(hi), Some(lo)) = (bytes.get(i + 1).and_then(|&b| hex(b)), bytes.get(i + 2).and_then(|&b| hex(b)))
+        else {
+            return Err("a malformed percent-escape in the request path");
+        };
+        let c = (hi * 16 + lo) as u8;
+        match c {
+            b'/' | b'\\' => return Err("an escaped / or \\ in the request path"),
+            c if c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'~') => out.push(c),
+            _ => out.extend_from_slice(format!("%{c:02X}").as_bytes()),
+        }
+        i += 3;
+    }
+    // Only ASCII was decoded, the rest copied from text.
+    String::from_utf8(out).map_err(|_| "the request path is not UTF-8")
 }
 
 #[cfg(test)]
@@ -103,6 +183,39 @@ mod tests {
         ] {
             assert_eq!(route("POST", p), Route::Unknown, "{p}");
             assert_eq!(route("GET", p), Route::Unknown, "{p}");
+        }
+    }
+
+    #[test]
+    fn targets_are_normalized_as_an_engine_would_read_them_or_refused() {
+        for (target, normal) in [
+            ("/v1/chat/completions", "/v1/chat/completions"),
+            ("/v1/completions?x=%2F..", "/v1/completions?x=%2F.."),
+            ("/v1/%6coad_lora_adapter", "/v1/load_lora_adapter"),
+            ("/v1/%6C%6Fad_lora_adapter", "/v1/load_lora_adapter"),
+            ("/v1/../collective_rpc", "/collective_rpc"),
+            ("/v1/%2e%2e/reset_prefix_cache", "/reset_prefix_cache"),
+            ("/v1/./chat//completions", "/v1/chat/completions"),
+            ("//v1///models", "/v1/models"),
+            ("/../../x", "/x"),
+            ("/a/b/..", "/a/"),
+            ("/a/b/.", "/a/b/"),
+            ("/v1/models/meta-llama%3aLlama", "/v1/models/meta-llama%3ALlama"),
+            ("/v1/models/caf%C3%A9", "/v1/models/caf%C3%A9"),
+            ("/", "/"),
+        ] {
+            assert_eq!(normalize_target(target).as_deref(), Ok(normal), "{target}");
+        }
+        assert!(matches!(normalize_target("/v1/chat/completions"), Ok(Cow::Borrowed(_))));
+        for bad in
+            ["/v1/load_lora_adapter#x", "/v1/a%2Fb", "/v1/a%5cb", "/v1/%", "/v1/%6", "/v1/%+1", "/v1/%zz", "v1/x", "*"]
+        {
+            assert!(normalize_target(bad).is_err(), "{bad}");
+        }
+        // Once normal, the trick routes where the engine would have taken it: nowhere.
+        for trick in ["/v1/%6coad_lora_adapter", "/v1/load_lora_adapter/", "/v1/%2e%2e/reset_prefix_cache"] {
+            let normal = normalize_target(trick).unwrap();
+            assert_eq!(route("POST", &normal), Route::Unknown, "{trick}");
         }
     }
 
