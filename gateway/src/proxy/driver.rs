@@ -92,15 +92,19 @@ impl ProxyApp {
     /// the client's connection may carry another request.
     pub(crate) async fn drive<T: Transport + Send>(&self, t: &mut T, active: Arc<Active>) -> Reuse {
         let head = t.head();
-        let (mut ctx, target) = match normalize_target(head.path_and_query()) {
-            Ok(target) => (RequestCtx::new(head.method(), path_of(&target)), Ok(target)),
-            Err(why) => (RequestCtx::new(head.method(), head.path()), Err(ProxyError::BadRequest(why.into()))),
-        };
         // Routed on the normal form, and forwarded as such when it differs from what was sent.
-        ctx.target = target.as_ref().ok().and_then(|t| matches!(t, Cow::Owned(_)).then(|| t.to_string()));
-        let outcome = match target {
-            Err(e) => self.fail(t, e, &ctx).await,
-            Ok(_) => match self.admit(&active, head.get("authorization"), &mut ctx).await {
+        let (mut ctx, refused) = match normalize_target(head.path_and_query()) {
+            Ok(Cow::Borrowed(_)) => (RequestCtx::new(head.method(), head.path()), None),
+            Ok(Cow::Owned(normal)) => {
+                let mut ctx = RequestCtx::new(head.method(), path_of(&normal));
+                ctx.target = Some(normal);
+                (ctx, None)
+            }
+            Err(why) => (RequestCtx::new(head.method(), head.path()), Some(ProxyError::BadRequest(why.into()))),
+        };
+        let outcome = match refused {
+            Some(e) => self.fail(t, e, &ctx).await,
+            None => match self.admit(&active, head.get("authorization"), &mut ctx).await {
                 Err(e) => self.reject(t, e, &ctx).await,
                 Ok(()) => self.route(t, active, &mut ctx).await,
             },

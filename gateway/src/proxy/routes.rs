@@ -86,17 +86,8 @@ fn is_inference(path: &str) -> bool {
 /// What is refused (400): a fragment, a malformed percent-escape, an escaped `/` or `\`
 /// (an engine would decode it into a path separator), a path not starting with `/`.
 pub(crate) fn normalize_target(target: &str) -> Result<Cow<'_, str>, &'static str> {
-    if target.contains('#') {
-        return Err("a request target has no fragment (#)");
-    }
-    let (path, query) = target.split_at(target.find('?').unwrap_or(target.len()));
-    if !path.starts_with('/') {
-        return Err("the request path must start with /");
-    }
-    let normal = !path.contains('%') && !path.contains("//") && !path.split('/').any(|s| s == "." || s == "..");
-    if normal {
-        return Ok(Cow::Borrowed(target));
-    }
+    let Some(path_len) = scan(target.as_bytes())? else { return Ok(Cow::Borrowed(target)) };
+    let (path, query) = target.split_at(path_len);
     let decoded = decode_unreserved(path)?;
     let segments: Vec<&str> = decoded[1..].split('/').collect();
     let mut kept: Vec<&str> = Vec::with_capacity(segments.len());
@@ -119,6 +110,32 @@ pub(crate) fn normalize_target(target: &str) -> Result<Cow<'_, str>, &'static st
     }
     out.push_str(query);
     Ok(Cow::Owned(out))
+}
+
+/// One pass over `target`: refused (a fragment; a path not starting with `/`), normal
+/// (`None`: no escape, no empty segment, no `.` or `..` segment in its path), or where its
+/// path ends, to be normalized.
+fn scan(target: &[u8]) -> Result<Option<usize>, &'static str> {
+    if target.first() != Some(&b'/') {
+        return Err("the request path must start with /");
+    }
+    let (mut path_end, mut normal, mut prev) = (None, true, 0u8);
+    for (i, &b) in target.iter().enumerate() {
+        match b {
+            b'#' => return Err("a request target has no fragment (#)"),
+            b'?' if path_end.is_none() => path_end = Some(i),
+            _ if path_end.is_some() || !normal => {}
+            b'%' => normal = false,
+            b'/' if prev == b'/' => normal = false,
+            b'.' if prev == b'/' => {
+                let rest = &target[i + 1..];
+                normal = !matches!(rest, [] | [b'/' | b'?', ..] | [b'.'] | [b'.', b'/' | b'?', ..]);
+            }
+            _ => {}
+        }
+        prev = b;
+    }
+    Ok((!normal).then(|| path_end.unwrap_or(target.len())))
 }
 
 /// `path` with its percent-escapes of unreserved characters (ALPHA, DIGIT, `-._~`) decoded and
@@ -206,7 +223,9 @@ mod tests {
         ] {
             assert_eq!(normalize_target(target).as_deref(), Ok(normal), "{target}");
         }
-        assert!(matches!(normalize_target("/v1/chat/completions"), Ok(Cow::Borrowed(_))));
+        for normal in ["/v1/chat/completions", "/v1/models/a.b", "/.well-known/x", "/v1/x..y/", "/a?b=//./%2F"] {
+            assert!(matches!(normalize_target(normal), Ok(Cow::Borrowed(_))), "{normal}");
+        }
         for bad in
             ["/v1/load_lora_adapter#x", "/v1/a%2Fb", "/v1/a%5cb", "/v1/%", "/v1/%6", "/v1/%+1", "/v1/%zz", "v1/x", "*"]
         {
