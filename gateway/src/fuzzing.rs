@@ -86,11 +86,6 @@ pub fn request_path(data: &[u8]) {
         }],
         None,
     );
-    // The head's first line, as a request target: normalized once, a fixed point after that,
-    // never a dot segment, an empty segment or an escape of an unreserved character left.
-    if let Ok(target) = std::str::from_utf8(head.split(|&b| b == b'\n').next().unwrap_or_default()) {
-        target_is_normalized_once(target);
-    }
     let authorization = head.split(|&b| b == b'\n').find_map(|l| l.strip_prefix(b"Authorization: "));
     let tenant = auth.authenticate(authorization).ok().flatten();
 
@@ -113,6 +108,9 @@ pub fn request_path(data: &[u8]) {
     }
 
     let req = request_head(head);
+    // The request target: normalized once, a fixed point after that, never a dot segment, an
+    // empty segment or an escape of an unreserved character left.
+    target_is_normalized_once(req.path_and_query());
     let active = Active::for_config(GatewayConfig::parse(CONFIG).expect("the fuzz config is valid"));
     let plan = plan_request(&req, body, &active, tenant.as_deref(), None);
     let is_object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')

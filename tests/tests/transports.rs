@@ -51,10 +51,10 @@ async fn send_over(
         }
         Transport::H2c => {
             let (mut sender, _conn) = h2c_connect(addr).await;
-            let mut req = hyper::Request::builder()
-                .method(method)
-                .uri(format!("http://{addr}{path}"))
-                .header("content-type", "application/json");
+            let mut req = hyper::Request::builder().method(method).uri(format!("http://{addr}{path}"));
+            if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-type")) {
+                req = req.header("content-type", "application/json");
+            }
             for (k, v) in headers {
                 req = req.header(*k, *v);
             }
@@ -83,6 +83,8 @@ struct Case {
     path: &'static str,
     /// Send the API key.
     key: bool,
+    /// The content type (JSON unless given).
+    content_type: Option<&'static str>,
     body: Bytes,
     status: u16,
     /// The engine gets the request (else: refused before it).
@@ -99,6 +101,7 @@ fn cases() -> Vec<Case> {
         method,
         path,
         key,
+        content_type: None,
         body,
         status,
         reaches_engine,
@@ -131,6 +134,35 @@ fn cases() -> Vec<Case> {
         v.push(case("engine administration, disguised", "POST", path, true, completion("m"), status, false));
     }
     v.push(case("an inference route, escaped", "POST", "/v1/%63ompletions", true, completion("m"), 200, true));
+    // A form that parsers read differently (#44): python-multipart, vLLM's, takes the last of
+    // two boundaries or names, a first-wins reader the first. Refused.
+    let form = |disposition: &str| {
+        Bytes::from(format!(
+            "--BBB\r\nContent-Disposition: {disposition}\r\n\r\nm\r\n--BBB\r\nContent-Disposition: form-data; \
+             name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\r\n--BBB--\r\n"
+        ))
+    };
+    let path = "/v1/audio/transcriptions";
+    v.push(Case {
+        content_type: Some("multipart/form-data; boundary=BBB; boundary=AAA"),
+        ..case("a form with two boundaries", "POST", path, true, form("form-data; name=\"model\""), 400, false)
+    });
+    v.push(Case {
+        content_type: Some("multipart/form-data; boundary=BBB"),
+        ..case(
+            "a form field with two names",
+            "POST",
+            path,
+            true,
+            form("form-data; name=\"model\"; name=\"x\""),
+            400,
+            false,
+        )
+    });
+    v.push(Case {
+        content_type: Some("multipart/form-data; boundary=BBB"),
+        ..case("a form, well formed", "POST", path, true, form("form-data; name=\"model\""), 200, true)
+    });
     v
 }
 
@@ -166,7 +198,10 @@ async fn every_rule_holds_the_same_on_http1_h2c_and_the_endpoint_picker() {
     for (transport, addr) in transports {
         for c in cases() {
             let before = reached(&engine).len();
-            let headers: Vec<(&str, &str)> = if c.key { vec![("authorization", auth.as_str())] } else { vec![] };
+            let mut headers: Vec<(&str, &str)> = if c.key { vec![("authorization", auth.as_str())] } else { vec![] };
+            if let Some(ct) = c.content_type {
+                headers.push(("content-type", ct));
+            }
             let started = Instant::now();
             let a = send_over(transport, addr, c.method, c.path, &headers, c.body.clone()).await;
             let mut wrong = Vec::new();

@@ -24,10 +24,15 @@ pub fn form_data_boundary(content_type: &str) -> Option<Result<&str, String>> {
     if !media.eq_ignore_ascii_case("multipart/form-data") {
         return None;
     }
-    let boundary = params.find_map(|p| {
+    let mut boundaries = params.filter_map(|p| {
         let (k, v) = p.split_once('=')?;
         k.trim().eq_ignore_ascii_case("boundary").then(|| v.trim().trim_matches('"'))
     });
+    let boundary = boundaries.next();
+    // Parsers disagree on which of two to take (python-multipart, vLLM's, takes the last).
+    if boundaries.next().is_some() {
+        return Some(Err("multipart/form-data with more than one boundary parameter".into()));
+    }
     Some(match boundary {
         // RFC 2046: 1 to 70 characters.
         Some(b) if !b.is_empty() && b.len() <= 70 => Ok(b),
@@ -112,27 +117,38 @@ fn part_field(part: &[u8]) -> Result<(Option<&str>, &[u8]), String> {
         Ok(httparse::Status::Partial) => return Err("multipart part headers do not end".into()),
         Err(e) => return Err(format!("multipart part headers: {e}")),
     };
-    let disposition = headers.iter().find(|h| h.name.eq_ignore_ascii_case("content-disposition"));
+    let mut dispositions = headers.iter().filter(|h| h.name.eq_ignore_ascii_case("content-disposition"));
+    let disposition = dispositions.next();
+    // Parsers disagree on which of two to read: refused, as a strict parser should.
+    if dispositions.next().is_some() {
+        return Err("multipart part with more than one Content-Disposition".into());
+    }
     let name = match disposition {
         None => None,
         Some(h) => {
             let v = std::str::from_utf8(h.value).map_err(|_| "multipart Content-Disposition is not UTF-8")?;
-            disposition_name(v)
+            disposition_name(v)?
         }
     };
     Ok((name, &part[len..]))
 }
 
-/// `name` of `form-data; name="model"` (quoted or not).
-fn disposition_name(v: &str) -> Option<&str> {
+/// `name` of `form-data; name="model"` (quoted or not); two `name` parameters are refused
+/// (python-multipart takes the last, a first-wins reader the first).
+fn disposition_name(v: &str) -> Result<Option<&str>, String> {
     let mut params = v.split(';');
-    if !params.next()?.trim().eq_ignore_ascii_case("form-data") {
-        return None;
+    if !params.next().unwrap_or_default().trim().eq_ignore_ascii_case("form-data") {
+        return Ok(None);
     }
-    params.find_map(|p| {
+    let mut names = params.filter_map(|p| {
         let (k, v) = p.split_once('=')?;
         k.trim().eq_ignore_ascii_case("name").then(|| v.trim().trim_matches('"'))
-    })
+    });
+    let name = names.next();
+    if names.next().is_some() {
+        return Err("multipart Content-Disposition with more than one name parameter".into());
+    }
+    Ok(name)
 }
 
 #[cfg(test)]
@@ -150,6 +166,18 @@ mod tests {
         }
         b.extend_from_slice(b"--XyZ--\r\n");
         b
+    }
+
+    #[test]
+    fn parameters_that_parsers_read_differently_are_refused() {
+        let twice = form_data_boundary("multipart/form-data; boundary=AAA; boundary=BBB").unwrap();
+        assert!(twice.unwrap_err().contains("more than one boundary"));
+        let named_twice = b"--XyZ\r\nContent-Disposition: form-data; name=\"x\"; name=\"model\"\r\n\r\nm\r\n--XyZ--";
+        assert!(text_fields(named_twice, "XyZ", ["model"]).unwrap_err().contains("more than one name"));
+        let two_dispositions = b"--XyZ\r\nContent-Disposition: form-data; name=\"x\"\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n--XyZ--";
+        assert!(text_fields(two_dispositions, "XyZ", ["model"])
+            .unwrap_err()
+            .contains("more than one Content-Disposition"));
     }
 
     #[test]
