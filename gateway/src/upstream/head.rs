@@ -186,7 +186,11 @@ pub(crate) fn parse_response_head(buf: &mut BytesMut) -> Result<Option<ResponseH
         // By length first: one comparison at most per field.
         match n.len() {
             14 if n.eq_ignore_ascii_case(b"content-length") => {
-                let v = std::str::from_utf8(h.value).ok().and_then(|v| v.trim().parse::<u64>().ok());
+                // Digits only (RFC 9112 §6.3): `parse::<u64>` would take `+350`, which another
+                // parser on the way may read otherwise.
+                let v = h.value.trim_ascii();
+                let v = (!v.is_empty() && v.len() <= 19 && v.iter().all(u8::is_ascii_digit))
+                    .then(|| v.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')));
                 match (v, length) {
                     (Some(v), None) => length = Some(v),
                     (Some(v), Some(l)) if v == l => {}
@@ -228,7 +232,8 @@ pub(crate) fn parse_response_head(buf: &mut BytesMut) -> Result<Option<ResponseH
     };
     // Both framings at once is how request smuggling starts: chunked wins, and the
     // connection is not reused.
-    let ambiguous = transfer_encoding && length.is_some();
+    // So is a chunked HTTP/1.0 response (RFC 9112 §6.1: the connection closes after it).
+    let ambiguous = transfer_encoding && (length.is_some() || !http11);
     let keepalive = (if http11 { !close } else { keep_alive }) && framing != Framing::UntilClose && !ambiguous;
     // One copy of the head for the fields to point into: `buf` stays the connection's own,
     // reused for the next response instead of shared with a head the request holds.
@@ -365,6 +370,19 @@ mod tests {
         assert_eq!((h.framing, h.keepalive), (Framing::Chunked, false), "both framings: chunked, and not reused");
         let (h, _) = parse("HTTP/1.1 100 Continue\r\n\r\n").unwrap().unwrap();
         assert_eq!(h.status, 100);
+        let (h, _) =
+            parse("HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\nconnection: keep-alive\r\n\r\n").unwrap().unwrap();
+        assert_eq!((h.framing, h.keepalive), (Framing::Chunked, false), "a chunked HTTP/1.0 answer closes");
+    }
+
+    #[test]
+    fn a_content_length_is_digits_only() {
+        for bad in ["+350", "-1", "0x10", "1 2", "", "35O", "99999999999999999999"] {
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {bad}\r\n\r\n");
+            assert_eq!(parse(&head).unwrap_err(), HeadError::Length, "{bad:?}");
+        }
+        let (h, _) = parse("HTTP/1.1 200 OK\r\ncontent-length:  350 \r\n\r\n").unwrap().unwrap();
+        assert_eq!(h.framing, Framing::Length(350));
     }
 
     #[test]
