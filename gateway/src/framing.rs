@@ -292,6 +292,13 @@ fn hex_digit(b: u8) -> Option<u8> {
     }
 }
 
+/// A `Content-Length` value: digits only, at most 19 of them (RFC 9112 §6.3). Rust's
+/// `parse::<u64>` would also take `+350`, which another parser on the way may read otherwise.
+pub(crate) fn content_length(value: &[u8]) -> Option<u64> {
+    (!value.is_empty() && value.len() <= 19 && value.iter().all(u8::is_ascii_digit))
+        .then(|| value.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

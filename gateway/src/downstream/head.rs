@@ -19,6 +19,7 @@ use std::ops::Range;
 use bytes::{Bytes, BytesMut};
 
 use crate::error::ProxyError;
+use crate::framing::content_length;
 
 /// The most fields the parser has room for; `limits.max_headers` is at most this.
 pub const MAX_FIELDS: usize = 256;
@@ -308,9 +309,7 @@ impl RequestHead {
                 }
                 b"content-length" => {
                     for v in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
-                        let n = (!v.is_empty() && v.len() <= 19 && v.iter().all(u8::is_ascii_digit))
-                            .then(|| v.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
-                            .ok_or_else(|| bad("invalid Content-Length"))?;
+                        let n = content_length(v).ok_or_else(|| bad("invalid Content-Length"))?;
                         if length.is_some_and(|l| l != n) {
                             return Err(bad("differing Content-Length values"));
                         }

@@ -6,7 +6,7 @@ use std::ops::Range;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use crate::downstream::RequestHead;
-use crate::framing::Framing;
+use crate::framing::{content_length, Framing};
 use crate::http::{is_hop_by_hop, EDGE_ONLY, REQUEST_ID};
 
 /// The most response header fields read from an engine.
@@ -186,11 +186,7 @@ pub(crate) fn parse_response_head(buf: &mut BytesMut) -> Result<Option<ResponseH
         // By length first: one comparison at most per field.
         match n.len() {
             14 if n.eq_ignore_ascii_case(b"content-length") => {
-                // Digits only (RFC 9112 §6.3): `parse::<u64>` would take `+350`, which another
-                // parser on the way may read otherwise.
-                let v = h.value.trim_ascii();
-                let v = (!v.is_empty() && v.len() <= 19 && v.iter().all(u8::is_ascii_digit))
-                    .then(|| v.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')));
+                let v = content_length(h.value.trim_ascii());
                 match (v, length) {
                     (Some(v), None) => length = Some(v),
                     (Some(v), Some(l)) if v == l => {}
