@@ -92,6 +92,15 @@ pub struct EngineArgs {
     /// `{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}`.
     #[arg(long)]
     pub kv_events_config: Option<String>,
+    /// Longest prompt text, in bytes, the engine tokenizes; a longer one is refused with 400
+    /// before any work is spent on it (default: --max-model-len x 32 bytes, far more than any
+    /// text that fits the context: English runs at about 4 bytes a token).
+    #[arg(long)]
+    pub max_prompt_bytes: Option<usize>,
+    /// Threads that parse, render and tokenize requests and compile their grammars, apart
+    /// from the threads that serve connections (default: half the CPUs, at least 1).
+    #[arg(long)]
+    pub prepare_threads: Option<usize>,
 }
 
 impl EngineArgs {
@@ -136,7 +145,15 @@ pub struct EngineConfig {
     pub shutdown_timeout: std::time::Duration,
     /// KV events to publish (`None`: off).
     pub kv_events: Option<crate::kv_events::KvEventsConfig>,
+    /// `--max-prompt-bytes` as given (see [`Self::prompt_byte_limit`]).
+    pub max_prompt_bytes: Option<usize>,
+    /// Threads that prepare requests ([`crate::server::prepare`]).
+    pub prepare_threads: usize,
 }
+
+/// Bytes a token of prompt is allowed on average before `--max-prompt-bytes`' default
+/// refuses it: eight times English's ~4, so only text that could never fit is refused.
+pub const PROMPT_BYTES_PER_TOKEN: usize = 32;
 
 fn invalid(field: &'static str, value: impl ToString, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { field, value: value.to_string(), reason: reason.into() }
@@ -193,6 +210,14 @@ impl EngineConfig {
             Some(n) => n,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
+        let prepare_threads = match a.prepare_threads {
+            Some(0) => return Err(invalid("--prepare-threads", 0, "must be at least 1")),
+            Some(n) => n,
+            None => (std::thread::available_parallelism().map_or(1, |n| n.get()) / 2).max(1),
+        };
+        if a.max_prompt_bytes == Some(0) {
+            return Err(invalid("--max-prompt-bytes", 0, "must be at least 1"));
+        }
         let num_blocks = match a.num_gpu_blocks_override {
             Some(0) => return Err(invalid("--num-gpu-blocks-override", 0, "must be at least 1")),
             Some(n) => n,
@@ -243,7 +268,15 @@ impl EngineConfig {
                 Some(json) => crate::kv_events::KvEventsConfig::parse(json)?,
                 None => None,
             },
+            max_prompt_bytes: a.max_prompt_bytes,
+            prepare_threads,
         })
+    }
+
+    /// The longest prompt text tokenized: `--max-prompt-bytes`, or the context length at
+    /// [`PROMPT_BYTES_PER_TOKEN`] (known once the model is loaded, for the cpu backend).
+    pub fn prompt_byte_limit(&self) -> usize {
+        self.max_prompt_bytes.unwrap_or(self.scheduler.max_model_len.saturating_mul(PROMPT_BYTES_PER_TOKEN))
     }
 
     /// Tokens the KV cache holds in all.
@@ -272,6 +305,8 @@ mod tests {
         assert_eq!(c.scheduler.max_model_len, 8192);
         assert_eq!(c.served_model_name, "meta-llama/Meta-Llama-3-8B-Instruct");
         assert!(c.enable_prefix_caching);
+        assert_eq!(c.prompt_byte_limit(), 8192 * PROMPT_BYTES_PER_TOKEN);
+        assert_eq!(parse(&["--max-prompt-bytes", "100"]).unwrap().prompt_byte_limit(), 100);
         assert!(c.num_blocks > 20_000, "an H100 holds ~400k Llama-3-8B tokens: {}", c.num_blocks);
     }
 
@@ -294,6 +329,8 @@ mod tests {
             (&["--sim-profile", "h100x4-llama3-70b", "--tensor-parallel-size", "1"], "does not fit"),
             (&["--host", "localhost:80"], "--host"),
             (&["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+            (&["--max-prompt-bytes", "0"], "--max-prompt-bytes"),
+            (&["--prepare-threads", "0"], "--prepare-threads"),
         ];
         for (flags, want) in cases {
             let err = parse(flags).unwrap_err();

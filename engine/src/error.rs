@@ -39,6 +39,9 @@ pub enum ApiError {
     /// The engine is shutting down (503).
     #[error("the engine is shutting down")]
     Unavailable,
+    /// A bug met while handling the request (500); the details are in the engine's log.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 impl ApiError {
@@ -53,6 +56,7 @@ impl ApiError {
             ApiError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
             ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -62,15 +66,15 @@ impl ApiError {
             ApiError::InvalidRequest { .. } => "invalid_request_error",
             ApiError::ModelNotFound(_) => "not_found_error",
             ApiError::Unavailable => "service_unavailable",
+            ApiError::Internal(_) => "internal_server_error",
         }
     }
 
     /// OpenAI error `code`.
     pub fn code(&self) -> Option<&'static str> {
         match self {
-            ApiError::InvalidRequest { .. } => None,
+            ApiError::InvalidRequest { .. } | ApiError::Unavailable | ApiError::Internal(_) => None,
             ApiError::ModelNotFound(_) => Some("model_not_found"),
-            ApiError::Unavailable => None,
         }
     }
 
@@ -80,7 +84,7 @@ impl ApiError {
         let param = match self {
             ApiError::InvalidRequest { param, .. } => param.as_deref(),
             ApiError::ModelNotFound(_) => Some("model"),
-            ApiError::Unavailable => None,
+            ApiError::Unavailable | ApiError::Internal(_) => None,
         };
         switchyard_shim::openai_error::error_body(&self.to_string(), self.error_type(), param, self.code())
     }

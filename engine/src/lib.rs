@@ -75,16 +75,20 @@ pub fn build(cfg: &EngineConfig) -> anyhow::Result<Engine> {
             config::BackendKind::Cpu => 20,
             config::BackendKind::Sim => 0,
         },
+        max_prompt_bytes: cfg.prompt_byte_limit(),
     };
-    let state = Arc::new(server::AppState::new(
-        handle,
-        tokenizer,
-        cfg.served_model_name.clone(),
-        limits,
-        cfg.seed,
-        registry,
-        failed.clone(),
-    ));
+    let state = Arc::new(
+        server::AppState::new(
+            handle,
+            tokenizer,
+            cfg.served_model_name.clone(),
+            limits,
+            cfg.seed,
+            registry,
+            failed.clone(),
+        )
+        .with_prepare_threads(cfg.prepare_threads),
+    );
     Ok(Engine { router: server::router(state.clone()), state, thread, config: cfg.clone(), failed })
 }
 

@@ -11,11 +11,13 @@
 //! | `POST /v1/responses` | the stateless subset of the Responses API ([`responses`]) |
 //! | `GET /metrics` | Prometheus text, vLLM names |
 //!
-//! A handler parses and validates the body, tokenizes, submits to the engine and turns
-//! the request's events into a response. The response body owns the engine stream: when
+//! A handler parses and validates the body, tokenizes — on the [`prepare`] pool, not on the
+//! threads that serve connections — submits to the engine and turns the request's events
+//! into a response. The response body owns the engine stream: when
 //! the client disconnects, hyper drops the body, the stream's drop aborts the request.
 
 pub mod openai;
+pub mod prepare;
 pub mod responses;
 pub mod sse;
 pub mod tools;
@@ -68,6 +70,8 @@ pub struct AppState {
     started: u64,
     /// The model's grammar compiler, built on the first structured-output request.
     grammars: std::sync::OnceLock<Result<Grammars, String>>,
+    /// Where requests are parsed, rendered and tokenized.
+    preparer: prepare::Preparer,
 }
 
 impl AppState {
@@ -92,7 +96,24 @@ impl AppState {
             next_id: AtomicU64::new(1),
             started: unix_secs(),
             grammars: std::sync::OnceLock::new(),
+            preparer: prepare::Preparer::new(1),
         }
+    }
+
+    /// Prepare requests on `threads` threads (one unless set).
+    pub fn with_prepare_threads(mut self, threads: usize) -> Self {
+        self.preparer = prepare::Preparer::new(threads);
+        self
+    }
+
+    /// Run a handler's CPU-bound part, for a body of `body_bytes`, on the [`prepare`] pool.
+    async fn off_loop<T: Send + 'static>(
+        self: &Arc<Self>,
+        body_bytes: usize,
+        work: impl FnOnce(&AppState) -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let st = self.clone();
+        self.preparer.run(body_bytes, move || work(&st)).await
     }
 }
 
@@ -121,26 +142,28 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// as a chat request is) → `{count, max_model_len, tokens, token_strs}`. No special
 /// token is added either way, as for a completion's prompt.
 async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let answer = (|| -> Result<serde_json::Value, ApiError> {
-        let fields = ["prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"];
-        let (req, common): (openai::TokenizeRequest, _) = openai::parse_body(&body, &fields)?;
-        st.check_model(&common.model)?;
-        let ids = match (req.prompt, req.messages) {
-            (Some(p), None) => st.tokenizer.encode(&p),
-            (None, Some(m)) => {
-                let messages = openai::chat_messages(Some(m))?;
-                let text = st.tokenizer.render_chat(&messages).map_err(|e| ApiError::invalid("messages", e))?;
-                st.tokenizer.encode(&text)
-            }
-            _ => return Err(ApiError::invalid("prompt", "give exactly one of prompt and messages")),
-        };
-        let strs = req
-            .return_token_strs
-            .unwrap_or(false)
-            .then(|| ids.iter().map(|&id| st.tokenizer.decode(&[id])).collect::<Vec<_>>());
-        Ok(serde_json::json!({"count": ids.len(), "max_model_len": st.limits.max_model_len, "tokens": ids,
+    let answer = st
+        .off_loop(body.len(), move |st| -> Result<serde_json::Value, ApiError> {
+            let fields = ["prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"];
+            let (req, common): (openai::TokenizeRequest, _) = openai::parse_body(&body, &fields)?;
+            st.check_model(&common.model)?;
+            let ids = match (req.prompt, req.messages) {
+                (Some(p), None) => st.encode("prompt", &p)?,
+                (None, Some(m)) => {
+                    let messages = openai::chat_messages(Some(m))?;
+                    let text = st.tokenizer.render_chat(&messages).map_err(|e| ApiError::invalid("messages", e))?;
+                    st.encode("messages", &text)?
+                }
+                _ => return Err(ApiError::invalid("prompt", "give exactly one of prompt and messages")),
+            };
+            let strs = req
+                .return_token_strs
+                .unwrap_or(false)
+                .then(|| ids.iter().map(|&id| st.tokenizer.decode(&[id])).collect::<Vec<_>>());
+            Ok(serde_json::json!({"count": ids.len(), "max_model_len": st.limits.max_model_len, "tokens": ids,
                               "token_strs": strs}))
-    })();
+        })
+        .await;
     match answer {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
@@ -149,18 +172,22 @@ async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
 
 /// `POST /detokenize` (vLLM's): `{tokens}` → `{prompt}`.
 async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let answer = (|| -> Result<serde_json::Value, ApiError> {
-        let (req, common): (openai::DetokenizeRequest, _) = openai::parse_body(&body, &["tokens"])?;
-        st.check_model(&common.model)?;
-        let tokens = req.tokens.ok_or_else(|| ApiError::invalid("tokens", "tokens is required"))?;
-        let vocab = st.tokenizer.vocab_size().unwrap_or(TokenId::MAX as usize);
-        let ids = tokens
-            .iter()
-            .map(|&t| TokenId::try_from(t).ok().filter(|&id| (id as usize) < vocab))
-            .collect::<Option<Vec<TokenId>>>()
-            .ok_or_else(|| ApiError::invalid("tokens", format!("tokens must be ids of the vocabulary (0..{vocab})")))?;
-        Ok(serde_json::json!({"prompt": st.tokenizer.decode(&ids)}))
-    })();
+    let answer = st
+        .off_loop(body.len(), move |st| -> Result<serde_json::Value, ApiError> {
+            let (req, common): (openai::DetokenizeRequest, _) = openai::parse_body(&body, &["tokens"])?;
+            st.check_model(&common.model)?;
+            let tokens = req.tokens.ok_or_else(|| ApiError::invalid("tokens", "tokens is required"))?;
+            let vocab = st.tokenizer.vocab_size().unwrap_or(TokenId::MAX as usize);
+            let ids = tokens
+                .iter()
+                .map(|&t| TokenId::try_from(t).ok().filter(|&id| (id as usize) < vocab))
+                .collect::<Option<Vec<TokenId>>>()
+                .ok_or_else(|| {
+                    ApiError::invalid("tokens", format!("tokens must be ids of the vocabulary (0..{vocab})"))
+                })?;
+            Ok(serde_json::json!({"prompt": st.tokenizer.decode(&ids)}))
+        })
+        .await;
     match answer {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
@@ -172,37 +199,39 @@ async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
 /// L2-normalized.
 async fn embeddings(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let arrival = Instant::now();
-    let prepared = (|| {
-        let (req, common): (openai::EmbeddingRequest, _) = openai::parse_body(&body, openai::EMBEDDING_FIELDS)?;
-        st.check_model(&common.model)?;
-        if req.dimensions.as_ref().is_some_and(|d| !d.is_null()) {
-            return Err(ApiError::invalid(
-                "dimensions",
-                "dimensions is not supported: this model's embeddings have one width (leave it out)",
-            ));
-        }
-        let base64 = match req.encoding_format.as_deref() {
-            None | Some("float") => false,
-            Some("base64") => true,
-            Some(other) => {
+    let prepared = st
+        .off_loop(body.len(), move |st| {
+            let (req, common): (openai::EmbeddingRequest, _) = openai::parse_body(&body, openai::EMBEDDING_FIELDS)?;
+            st.check_model(&common.model)?;
+            if req.dimensions.as_ref().is_some_and(|d| !d.is_null()) {
                 return Err(ApiError::invalid(
-                    "encoding_format",
-                    format!("encoding_format must be float or base64, got {other:?}"),
-                ))
+                    "dimensions",
+                    "dimensions is not supported: this model's embeddings have one width (leave it out)",
+                ));
             }
-        };
-        let mut prompts = Vec::new();
-        for input in openai::embedding_inputs(req.input)? {
-            let prompt = match input {
-                PromptInput::Text(t) => st.tokenizer.encode(&t),
-                PromptInput::Tokens(t) => st.check_vocab(t, "input")?,
+            let base64 = match req.encoding_format.as_deref() {
+                None | Some("float") => false,
+                Some("base64") => true,
+                Some(other) => {
+                    return Err(ApiError::invalid(
+                        "encoding_format",
+                        format!("encoding_format must be float or base64, got {other:?}"),
+                    ))
+                }
             };
-            let mut params = openai::sampling_params(&common, prompt.len(), "input", st.limits, 0)?;
-            (params.max_tokens, params.pooling) = (1, true);
-            prompts.push((prompt, params));
-        }
-        Ok((prompts, base64))
-    })();
+            let mut prompts = Vec::new();
+            for input in openai::embedding_inputs(req.input)? {
+                let prompt = match input {
+                    PromptInput::Text(t) => st.encode("input", &t)?,
+                    PromptInput::Tokens(t) => st.check_vocab(t, "input")?,
+                };
+                let mut params = openai::sampling_params(&common, prompt.len(), "input", st.limits, 0)?;
+                (params.max_tokens, params.pooling) = (1, true);
+                prompts.push((prompt, params));
+            }
+            Ok((prompts, base64))
+        })
+        .await;
     let (prompts, base64) = match prepared {
         Ok(p) => p,
         Err(e) => return e.into_response(),
@@ -303,6 +332,24 @@ struct Prepared {
 }
 
 impl AppState {
+    /// `text`, from request field `field`, as token ids; refused unread when it is longer
+    /// than `--max-prompt-bytes`.
+    fn encode(&self, field: &str, text: &str) -> Result<Vec<TokenId>, ApiError> {
+        let max = self.limits.max_prompt_bytes;
+        if text.len() > max {
+            return Err(ApiError::invalid(
+                field,
+                format!(
+                    "{field} is {} bytes of text; this engine tokenizes at most {max} (--max-prompt-bytes; its \
+                     context holds {} tokens)",
+                    text.len(),
+                    self.limits.max_model_len
+                ),
+            ));
+        }
+        Ok(self.tokenizer.encode(text))
+    }
+
     fn check_model(&self, model: &Option<String>) -> Result<(), ApiError> {
         match model {
             Some(m) if m != &self.model => Err(ApiError::ModelNotFound(m.clone())),
@@ -367,56 +414,59 @@ impl AppState {
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let arrival = Instant::now();
     let id = st.next_id.fetch_add(1, Ordering::Relaxed);
-    let prepared = (|| {
-        let (req, common): (openai::CompletionRequest, _) = openai::parse_body(&body, &["prompt"])?;
-        st.check_model(&common.model)?;
-        let prompt = match openai::completion_prompt(req.prompt)? {
-            PromptInput::Text(t) => st.tokenizer.encode(&t),
-            PromptInput::Tokens(t) => st.check_vocab(t, "prompt")?,
-        };
-        st.prepare(&common, prompt, "prompt", id)
-    })();
+    let prepared = st
+        .off_loop(body.len(), move |st| {
+            let (req, common): (openai::CompletionRequest, _) = openai::parse_body(&body, &["prompt"])?;
+            st.check_model(&common.model)?;
+            let prompt = match openai::completion_prompt(req.prompt)? {
+                PromptInput::Text(t) => st.encode("prompt", &t)?,
+                PromptInput::Tokens(t) => st.check_vocab(t, "prompt")?,
+            };
+            st.prepare(&common, prompt, "prompt", id)
+        })
+        .await;
     execute(st, prepared, Endpoint::Completions, response_id("cmpl"), id, arrival).await
 }
 
 async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let arrival = Instant::now();
     let id = st.next_id.fetch_add(1, Ordering::Relaxed);
-    let prepared = (|| {
-        let (req, common): (openai::ChatRequest, _) = openai::parse_body(&body, openai::CHAT_FIELDS)?;
-        st.check_model(&common.model)?;
-        let tools = tools::parse(req.tools.as_ref(), req.tool_choice.as_ref())?;
-        let raw = if tools.is_some() { req.messages.clone() } else { None };
-        let messages = openai::chat_messages(req.messages)?;
-        let text = match &tools {
-            Some(t) if st.tokenizer.renders_tools() => {
-                let json = openai::template_messages(raw.as_deref().unwrap_or_default(), &messages);
-                st.tokenizer.render_chat_with_tools(&json, &t.list)
-            }
-            Some(t) if t.mode == ToolMode::Auto => {
-                return Err(ApiError::invalid(
-                    "tool_choice",
-                    "tool_choice auto (the default with tools) needs a chat template that renders tools, and this \
+    let prepared = st
+        .off_loop(body.len(), move |st| {
+            let (req, common): (openai::ChatRequest, _) = openai::parse_body(&body, openai::CHAT_FIELDS)?;
+            st.check_model(&common.model)?;
+            let tools = tools::parse(req.tools.as_ref(), req.tool_choice.as_ref())?;
+            let raw = if tools.is_some() { req.messages.clone() } else { None };
+            let messages = openai::chat_messages(req.messages)?;
+            let text =
+                match &tools {
+                    Some(t) if st.tokenizer.renders_tools() => {
+                        let json = openai::template_messages(raw.as_deref().unwrap_or_default(), &messages);
+                        st.tokenizer.render_chat_with_tools(&json, &t.list)
+                    }
+                    Some(t) if t.mode == ToolMode::Auto => return Err(ApiError::invalid(
+                        "tool_choice",
+                        "tool_choice auto (the default with tools) needs a chat template that renders tools, and this \
                      model's does not: name a function in tool_choice, or use \"required\" (the call is then written \
                      under a grammar)",
-                ))
+                    )),
+                    _ => st.tokenizer.render_chat(&messages),
+                };
+            let prompt = st.encode("messages", &text.map_err(|e| ApiError::invalid("messages", e))?)?;
+            let mut p = st.prepare(&common, prompt, "messages", id)?;
+            if let Some(spec) = tools.as_ref().and_then(Tools::guided) {
+                if p.constraint.is_some() {
+                    return Err(ApiError::invalid(
+                        "tool_choice",
+                        "a forced tool call and response_format (or guided_*) cannot both constrain the output",
+                    ));
+                }
+                p.constraint = Some(st.compile("tool_choice", &spec)?);
             }
-            _ => st.tokenizer.render_chat(&messages),
-        };
-        let prompt = st.tokenizer.encode(&text.map_err(|e| ApiError::invalid("messages", e))?);
-        let mut p = st.prepare(&common, prompt, "messages", id)?;
-        if let Some(spec) = tools.as_ref().and_then(Tools::guided) {
-            if p.constraint.is_some() {
-                return Err(ApiError::invalid(
-                    "tool_choice",
-                    "a forced tool call and response_format (or guided_*) cannot both constrain the output",
-                ));
-            }
-            p.constraint = Some(st.compile("tool_choice", &spec)?);
-        }
-        p.tools = tools.filter(|t| t.mode != ToolMode::None).map(Arc::new);
-        Ok(p)
-    })();
+            p.tools = tools.filter(|t| t.mode != ToolMode::None).map(Arc::new);
+            Ok(p)
+        })
+        .await;
     execute(st, prepared, Endpoint::Chat, response_id("chatcmpl"), id, arrival).await
 }
 

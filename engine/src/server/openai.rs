@@ -575,6 +575,8 @@ pub struct Limits {
     /// Most alternatives `logprobs`/`top_logprobs` may ask for (0: the backend has no
     /// distribution, so log probabilities are refused).
     pub max_logprobs: usize,
+    /// Longest prompt text tokenized (`--max-prompt-bytes`).
+    pub max_prompt_bytes: usize,
 }
 
 /// How many log probabilities a request asks for: completions' `logprobs: n`, chat's

@@ -180,7 +180,7 @@ fn plan(st: &AppState, body: &[u8], id: u64) -> Result<Plan, ApiError> {
     }
     let messages = messages(&req)?;
     let text = st.tokenizer.render_chat(&messages).map_err(|e| ApiError::invalid("input", e))?;
-    let prompt = st.tokenizer.encode(&text);
+    let prompt = st.encode("input", &text)?;
     let common = CommonParams { max_tokens: req.max_output_tokens, ..common };
     let mut prepared = st.prepare(&common, prompt, "input", id).map_err(|e| match e {
         // `max_tokens` is this API's `max_output_tokens`.
@@ -255,7 +255,7 @@ impl Snapshot<'_> {
 pub async fn responses(axum::extract::State(st): axum::extract::State<Arc<AppState>>, body: Bytes) -> Response {
     let arrival = Instant::now();
     let id = st.next_id.fetch_add(1, Ordering::Relaxed);
-    let Plan { prepared: p, echo } = match plan(&st, &body, id) {
+    let Plan { prepared: p, echo } = match st.off_loop(body.len(), move |st| plan(st, &body, id)).await {
         Ok(plan) => plan,
         Err(e) => return e.into_response(),
     };
