@@ -112,7 +112,7 @@ pub fn request_path(data: &[u8]) {
     // empty segment or an escape of an unreserved character left.
     target_is_normalized_once(req.path_and_query());
     let active = Active::for_config(GatewayConfig::parse(CONFIG).expect("the fuzz config is valid"));
-    let plan = plan_request(&req, body, &active, tenant.as_deref(), None);
+    let plan = plan_request(&req, body, &active, tenant.as_deref(), false);
     let is_object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
         && serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| v.is_object());
     let content_type = req.get_str("content-type").unwrap_or("");

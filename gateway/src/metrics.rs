@@ -70,6 +70,9 @@ pub struct GatewayMetrics {
     pub kv_event_batches: IntCounterVec,
     /// KV-event sequence gaps, by backend and outcome (`replayed`, `forgotten`).
     pub kv_event_gaps: IntCounterVec,
+    /// Prompts handed to the tokenizing pool, by outcome (`precise`, `too_large`, `busy`,
+    /// `timeout`).
+    pub prompt_tokenizations: IntCounterVec,
     /// Bytes the precise KV index charges.
     pub kv_index_bytes: IntGauge,
     /// Limit decisions taken without Redis (`auth.shared_limits`), by decision.
@@ -143,6 +146,9 @@ impl GatewayMetrics {
             kv_event_gaps: counter_vec(r, "switchyard_kv_events_gaps_total",
                 "Sequence gaps in an engine's KV events: closed by a replay, or the engine's entries forgotten.",
                 &["backend", "outcome"])?,
+            prompt_tokenizations: counter_vec(r, "switchyard_prompt_tokenizations_total",
+                "Prompts for the precise index: tokenized (precise), or routed by the approximate index because the body was over kv_events.tokenize_max_bytes (too_large), the tokenizing queue was full (busy) or kv_events.tokenize_timeout_ms passed (timeout).",
+                &["outcome"])?,
             kv_index_bytes: gauge(r, "switchyard_kv_index_bytes",
                 "Memory charged by the precise KV index (kv_events.max_bytes bounds it).")?,
             shared_limits_unavailable: counter_vec(r, "switchyard_shared_limits_unavailable_total",

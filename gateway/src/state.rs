@@ -22,7 +22,7 @@ use crate::config::GatewayConfig;
 use crate::discovery::{backend_specs, backend_specs_with, system_resolve};
 use crate::drain::Lifecycle;
 use crate::error::ConfigError;
-use crate::kv_events::prompt::PromptTokenizer;
+use crate::kv_events::prompt::{PoolLimits, PromptTokenizer};
 use crate::kv_events::subscriber::KvEvents;
 use crate::metrics::GatewayMetrics;
 use crate::prefix::PrefixTracker;
@@ -81,11 +81,15 @@ impl GatewayState {
         let mut connector_options = pingora::connectors::ConnectorOptions::new(128);
         connector_options.ca_file = config.upstream_tls.ca_file.clone();
         let kv_events = config.kv_events.as_ref().map(|k| KvEvents::new(k.block_size, k.max_bytes));
-        let prompt_tokenizer = config
-            .kv_events
-            .as_ref()
-            .zip(tokenizer)
-            .map(|(k, tokenizer)| PromptTokenizer::new(tokenizer, k.tokenizer_cache_bytes, k.block_size));
+        let prompt_tokenizer = config.kv_events.as_ref().zip(tokenizer).map(|(k, tokenizer)| {
+            let limits = PoolLimits {
+                threads: k.tokenizer_threads.unwrap_or(config.worker_threads()),
+                max_bytes: k.tokenize_max_bytes,
+                timeout: std::time::Duration::from_millis(k.tokenize_timeout_ms),
+            };
+            let counter = &metrics.prompt_tokenizations;
+            PromptTokenizer::new(tokenizer, k.tokenizer_cache_bytes, k.block_size, limits, counter)
+        });
         let shared_limits =
             config.auth.shared_limits.clone().map(|c| crate::shared_limits::SharedLimits::new(c, metrics.clone()));
         let r = &config.retries;

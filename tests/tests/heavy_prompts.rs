@@ -16,6 +16,9 @@ use switchyard_testkit::*;
 /// The attack's prompt size.
 const ATTACK_BYTES: usize = 1536 * 1024;
 
+/// The attack on the gateway.
+const GATEWAY_ATTACK_BYTES: usize = 1024 * 1024;
+
 /// `n` pseudo-random lowercase letters.
 fn random_letters(n: usize, seed: u64) -> String {
     let mut x = seed | 1;
@@ -69,11 +72,11 @@ async fn worst_gap_during<T>(
     (worst, out)
 }
 
-/// `n` requests at once, each with its own `prompt` of random letters: their statuses and
-/// bodies.
-async fn at_once(addr: SocketAddr, path: &str, n: usize, body: impl Fn(String) -> Value) -> Vec<(u16, String)> {
+/// `n` requests at once, each with its own `bytes` of random letters as `prompt`: their
+/// statuses and bodies.
+async fn at_once(addr: SocketAddr, path: &str, n: usize, bytes: usize) -> Vec<(u16, String)> {
     let sends = (0..n).map(|i| {
-        let b = body(random_letters(ATTACK_BYTES, 7 + i as u64));
+        let b = json!({"prompt": random_letters(bytes, 7 + i as u64), "max_tokens": 1});
         async move {
             let r = post(addr, path, &b).await;
             let status = r.status;
@@ -98,7 +101,7 @@ async fn megabyte_prompts_do_not_stall_the_engines_other_streams() {
         EngineProc::start(&["--sim-profile", "h100-llama3-8b", "--tokenizer", &tok, "--max-prompt-bytes", "2000000"]);
     let started = Instant::now();
     let (gap, answers) = worst_gap_during(engine.addr, "/v1/completions", stream.clone(), async {
-        at_once(engine.addr, "/v1/completions", 4, |p| json!({"prompt": p, "max_tokens": 1})).await
+        at_once(engine.addr, "/v1/completions", 4, ATTACK_BYTES).await
     })
     .await;
     eprintln!(
@@ -133,4 +136,48 @@ async fn megabyte_prompts_do_not_stall_the_engines_other_streams() {
     // A prompt at the cap is still served.
     let r = post(engine.addr, "/tokenize", &json!({"prompt": "hello ".repeat(1000)})).await;
     assert_eq!(r.status, 200);
+}
+
+/// Four 1 MiB random-letter prompts at a gateway that tokenizes for the precise index, on
+/// one core beside another client's stream: over `kv_events.tokenize_max_bytes` (the
+/// default 512 KiB) they are routed by the approximate index untokenized; under a cap that
+/// lets them in, they are tokenized on the pool while the stream goes on, and routed
+/// without their keys once `tokenize_timeout_ms` passes. Each outcome is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn megabyte_prompts_do_not_stall_a_tokenizing_gateway() {
+    let engine = EngineProc::start(&["--sim-profile", "h100-llama3-8b"]);
+    let tok = tokenizer_path();
+    let stream = json!({"prompt": "hi", "max_tokens": 150, "ignore_eos": true, "stream": true});
+    for (kv, outcome) in [
+        (format!("{{ block_size: 16, tokenizer: {tok:?} }}"), "too_large"),
+        (
+            format!("{{ block_size: 16, tokenizer: {tok:?}, tokenize_max_bytes: 2000000, tokenize_timeout_ms: 100 }}"),
+            "timeout",
+        ),
+    ] {
+        let config =
+            GatewayConfigBuilder::new().backends([engine.url()]).policy("cost").threads(1).section("kv_events", &kv);
+        let g = GatewayProc::start(&config);
+        wait_scraped(&g, 1).await;
+        let started = Instant::now();
+        let (gap, answers) = worst_gap_during(g.addr, "/v1/completions", stream.clone(), async {
+            at_once(g.addr, "/v1/completions", 4, GATEWAY_ATTACK_BYTES).await
+        })
+        .await;
+        eprintln!(
+            "gateway ({outcome}): longest inter-token gap {gap:?} beside four 1 MiB prompts ({:?})",
+            started.elapsed()
+        );
+        // The engine refuses them (over its --max-prompt-bytes): what matters is the way there.
+        for (status, body) in &answers {
+            assert_eq!(*status, 400, "{body}");
+        }
+        assert!(gap < Duration::from_secs(1), "{outcome}: another client's stream stalled {gap:?}");
+        let m = scrape(g.admin).await;
+        let counted = |o: &str| metric_where(&m, "switchyard_prompt_tokenizations_total", "outcome", o);
+        assert_eq!(counted(outcome), 4.0, "{outcome}");
+        assert!(counted("precise") >= 1.0, "the streams' own prompts were tokenized");
+        let b = backends(&g).await;
+        assert_eq!(b["tokenizer"]["outcomes"][outcome], 4, "{b}");
+    }
 }

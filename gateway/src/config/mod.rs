@@ -209,6 +209,14 @@ pub struct KvEventsConfig {
     pub replay_port: Option<u16>,
     /// Hard memory bound of the index.
     pub max_bytes: usize,
+    /// Threads that tokenize prompts, apart from the cores serving connections (default:
+    /// as many as those cores).
+    pub tokenizer_threads: Option<usize>,
+    /// Bodies larger than this are not tokenized: routed by the approximate index (counted).
+    pub tokenize_max_bytes: usize,
+    /// How long a request waits for its prompt's keys before it is routed by the
+    /// approximate index (counted).
+    pub tokenize_timeout_ms: u64,
 }
 
 impl Default for KvEventsConfig {
@@ -220,6 +228,10 @@ impl Default for KvEventsConfig {
             port: None,
             replay_port: None,
             max_bytes: 64 * 1024 * 1024,
+            tokenizer_threads: None,
+            // 128k tokens of English; random letters this long take ~1 s.
+            tokenize_max_bytes: 512 * 1024,
+            tokenize_timeout_ms: 250,
         }
     }
 }
@@ -236,6 +248,15 @@ impl KvEventsConfig {
             if !path.exists() {
                 errs.add("kv_events.tokenizer", path.display(), "no such file or directory");
             }
+        }
+        if let Some(n) = self.tokenizer_threads.filter(|n| !(1..=256).contains(n)) {
+            errs.add("kv_events.tokenizer_threads", n, "must be in 1..=256");
+        }
+        if self.tokenize_max_bytes < 1024 {
+            errs.add("kv_events.tokenize_max_bytes", self.tokenize_max_bytes, "must be >= 1024");
+        }
+        if !(1..=60_000).contains(&self.tokenize_timeout_ms) {
+            errs.add("kv_events.tokenize_timeout_ms", self.tokenize_timeout_ms, "must be in 1..=60000");
         }
     }
 }

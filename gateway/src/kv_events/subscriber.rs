@@ -369,17 +369,14 @@ async fn replay(endpoint: &str, start: u64) -> Option<Vec<(u64, EventBatch)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_events::prompt::tests::{hello_world, letters};
-    use crate::kv_events::prompt::PromptTokenizer;
+    use crate::kv_events::prompt::tests::{hello_world, letters, precise_now};
     use crate::kv_events::wire::Event;
-    use crate::request::tokens::SeenPrompt;
 
     #[test]
     fn live_engines_match_by_the_blocks_they_hold_and_the_others_are_left_to_the_approximate_index() {
         let shared = KvEvents::new(4, 1 << 30);
-        let tokenizer = PromptTokenizer::new(letters(), 1 << 20, 4);
         let (body, text) = hello_world();
-        let prompt = tokenizer.precise_prompt(body, SeenPrompt::Unknown).expect("a chat tokenizes");
+        let prompt = precise_now(body, 4).expect("a chat tokenizes");
         // Engine A (backend 1) stored the prompt's first three blocks, as the engine tokenized them.
         let ids = letters().encode(&text);
         let batch = EventBatch {

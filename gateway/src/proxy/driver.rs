@@ -147,8 +147,8 @@ impl ProxyApp {
             Err(BodyError::Gone) => return Outcome::client_gone(499),
         };
         ctx.request_bytes = body.len();
-        let kv = self.state.prompt_tokenizer.as_ref();
-        let mut plan = match plan_request(t.head(), &body, &active, ctx.tenant.as_deref(), kv) {
+        let tokenizes = self.state.prompt_tokenizer.is_some();
+        let mut plan = match plan_request(t.head(), &body, &active, ctx.tenant.as_deref(), tokenizes) {
             Ok(plan) => plan,
             Err(refused) => {
                 ctx.stream = refused.stream;
@@ -160,6 +160,7 @@ impl ProxyApp {
         if let Err(e) = self.charge_tokens(&plan, ctx).await {
             return self.reject(t, e, ctx).await;
         }
+        self.tokenize(&mut plan, &body).await;
         self.state.metrics.count_alias(plan.alias.as_deref(), &plan.model);
         ctx.writeback = plan.writeback(&active);
         let body = plan.engine_body(body);
@@ -173,7 +174,8 @@ impl ProxyApp {
             Admitted::Go(Some(ticket)) => {
                 let now = self.state.active.load_full();
                 if !Arc::ptr_eq(&now, &active) {
-                    plan.fit_policy(t.head(), &body, &now, kv);
+                    plan.fit_policy(t.head(), &body, &now, tokenizes);
+                    self.tokenize(&mut plan, &body).await;
                 }
                 (now, Some(ticket))
             }
@@ -181,6 +183,13 @@ impl ProxyApp {
             Admitted::ClientGone => return Outcome::client_gone(499),
         };
         t.deliver(self, Planned { active, plan, body, ticket }, ctx).await
+    }
+
+    /// The plan's prompt tokenized into the precise index's block keys, on the tokenizing
+    /// pool ([`crate::kv_events::prompt`]), when the plan has one to tokenize.
+    async fn tokenize(&self, plan: &mut RoutePlan, body: &Bytes) {
+        let (Some(kv), Some(seen)) = (&self.state.prompt_tokenizer, plan.unread_prompt.take()) else { return };
+        plan.precise = kv.precise(body.clone(), seen).await;
     }
 
     /// A whole answer of the gateway's own.

@@ -8,7 +8,7 @@ use crate::active::Active;
 use crate::auth::Tenant;
 use crate::downstream::RequestHead;
 use crate::error::ProxyError;
-use crate::kv_events::prompt::{PrecisePrompt, PromptTokenizer};
+use crate::kv_events::prompt::PrecisePrompt;
 use crate::request::tokens::SeenPrompt;
 use crate::request::{
     canonical_prompt_blocks, form_data_boundary, form_routing_fields, routing_fields, routing_fields_and_blocks,
@@ -36,8 +36,12 @@ pub struct RoutePlan {
     /// Estimated tokens of the canonical prompt (0 unless the policy reads prefixes).
     pub prompt_tokens: u64,
     /// The prompt tokenized as the engine will, with its block keys (a policy that reads
-    /// prefixes, and `kv_events.tokenizer` set).
+    /// prefixes, and `kv_events.tokenizer` set): filled in by the driver from
+    /// [`Self::unread_prompt`], off the request's thread.
     pub precise: Option<PrecisePrompt>,
+    /// The prompt as the routing pass read it, still to be tokenized into [`Self::precise`]
+    /// (planned with a tokenizer, for a policy that reads prefixes).
+    pub unread_prompt: Option<SeenPrompt>,
     /// The session header's value, for the `session` policy.
     pub session: Option<String>,
     /// The alias the client asked for, when `model` is its chosen target.
@@ -63,8 +67,8 @@ impl From<ProxyError> for PlanRefused {
 }
 
 /// Plan `body` (sent with `head`) under the config, policy and backends of `active`.
-/// `tenant` is the API key's, when keys are on; `kv`: the prompt tokenizer of the precise
-/// index, when configured.
+/// `tenant` is the API key's, when keys are on; `tokenizes`: the precise index has a prompt
+/// tokenizer (the prompt is then kept for it, [`RoutePlan::unread_prompt`]).
 ///
 /// # Errors
 /// 400 for a body that is not a JSON object with well-typed routing fields, or one that
@@ -74,7 +78,7 @@ pub fn plan_request(
     body: &[u8],
     active: &Active,
     tenant: Option<&Tenant>,
-    kv: Option<&PromptTokenizer>,
+    tokenizes: bool,
 ) -> Result<RoutePlan, PlanRefused> {
     let cfg = &active.config;
     let boundary = form_boundary(head).transpose().map_err(ProxyError::BadRequest)?;
@@ -83,9 +87,8 @@ pub fn plan_request(
         Some(boundary) => (form_routing_fields(body, boundary)?, None),
         None if active.policy.uses_prefix() => {
             // The prompt as the engine reads it too, when the precise index will tokenize it.
-            let see = kv.is_some();
             let (fields, pass) =
-                routing_fields_and_blocks(body, &cfg.limits.prompt_limits(), cfg.prefix_index.block_bytes, see)?;
+                routing_fields_and_blocks(body, &cfg.limits.prompt_limits(), cfg.prefix_index.block_bytes, tokenizes)?;
             (fields, Some(pass))
         }
         None => (routing_fields(body, &cfg.limits.prompt_limits())?, None),
@@ -137,11 +140,12 @@ pub fn plan_request(
         hashes: Vec::new(),
         prompt_tokens: 0,
         precise: None,
+        unread_prompt: None,
         session: None,
         alias,
         model_rewrite,
     };
-    plan.fit_policy_with(head, body, active, kv, boundary.is_some(), blocks);
+    plan.fit_policy_with(head, body, active, tokenizes, boundary.is_some(), blocks);
     Ok(plan)
 }
 
@@ -169,12 +173,12 @@ impl RoutePlan {
     }
 
     /// Fill in what `active`'s policy reads: the canonical prompt's block hashes and token
-    /// estimate, and its precise block keys when `kv` can tokenize (prefix-aware policies);
-    /// the session header (`session`). Called again when a reload changed the policy while
-    /// the request waited in the queue.
-    pub fn fit_policy(&mut self, head: &RequestHead, body: &[u8], active: &Active, kv: Option<&PromptTokenizer>) {
+    /// estimate, and the prompt to tokenize for its precise block keys when `tokenizes`
+    /// (prefix-aware policies); the session header (`session`). Called again when a reload
+    /// changed the policy while the request waited in the queue.
+    pub fn fit_policy(&mut self, head: &RequestHead, body: &[u8], active: &Active, tokenizes: bool) {
         let form = form_boundary(head).is_some();
-        self.fit_policy_with(head, body, active, kv, form, None);
+        self.fit_policy_with(head, body, active, tokenizes, form, None);
     }
 
     /// [`Self::fit_policy`], knowing whether the body is a form, and given the block hashes,
@@ -185,7 +189,7 @@ impl RoutePlan {
         head: &RequestHead,
         body: &[u8],
         active: &Active,
-        kv: Option<&PromptTokenizer>,
+        tokenizes: bool,
         form: bool,
         pass: Option<PromptPass>,
     ) {
@@ -199,13 +203,14 @@ impl RoutePlan {
             };
             self.hashes = blocks.0;
             self.prompt_tokens = pcfg.tokens(blocks.1);
-            if self.precise.is_none() {
-                self.precise = kv.and_then(|kv| kv.precise_prompt(body, seen));
+            if self.precise.is_none() && tokenizes {
+                self.unread_prompt = Some(seen);
             }
         } else {
             self.hashes = Vec::new();
             self.prompt_tokens = 0;
             self.precise = None;
+            self.unread_prompt = None;
         }
         self.session = policy.session_header().and_then(|h| head.get_str(h)).map(str::to_owned);
     }
@@ -232,24 +237,29 @@ mod tests {
         let a = active("");
         let body =
             format!(r#"{{"messages":[{{"role":"user","content":"{}"}}],"max_tokens":10}}"#, "hello ".repeat(200));
-        let p = plan_request(&head(&[("x-priority", " 3 ")]), body.as_bytes(), &a, None, None).unwrap();
+        let p = plan_request(&head(&[("x-priority", " 3 ")]), body.as_bytes(), &a, None, false).unwrap();
         assert_eq!((p.model.as_str(), p.stream, p.max_tokens, p.priority), ("m", false, Some(10), 3));
         assert_eq!(p.charge, p.prompt_charge + 10);
         assert!(!p.hashes.is_empty() && p.prompt_tokens > 0, "cost reads prefixes: {p:?}");
         assert_eq!(p.session, None);
-        let p = plan_request(&head(&[("x-priority", "high")]), b"{\"model\":\"x\"}", &a, None, None).unwrap();
+        let p = plan_request(&head(&[("x-priority", "high")]), b"{\"model\":\"x\"}", &a, None, false).unwrap();
         assert_eq!((p.model.as_str(), p.priority), ("x", 0));
     }
 
     #[test]
     fn policies_that_do_not_read_prompts_get_no_hashes_and_sessions_get_their_header() {
         let a = active("policy:\n  type: session\n  header: x-session\n");
-        let p =
-            plan_request(&head(&[("x-session", "abc")]), br#"{"prompt":"once upon a time, long ago"}"#, &a, None, None)
-                .unwrap();
+        let p = plan_request(
+            &head(&[("x-session", "abc")]),
+            br#"{"prompt":"once upon a time, long ago"}"#,
+            &a,
+            None,
+            false,
+        )
+        .unwrap();
         assert_eq!(p.session.as_deref(), Some("abc"));
         let a = active("policy:\n  type: round_robin\n");
-        let p = plan_request(&head(&[]), br#"{"prompt":"once upon a time, long ago"}"#, &a, None, None).unwrap();
+        let p = plan_request(&head(&[]), br#"{"prompt":"once upon a time, long ago"}"#, &a, None, false).unwrap();
         assert!(p.hashes.is_empty() && p.prompt_tokens == 0);
     }
 
@@ -257,10 +267,10 @@ mod tests {
     fn the_charge_follows_the_engines_precedence_and_never_overflows() {
         let a = active("");
         let p =
-            plan_request(&head(&[]), br#"{"max_tokens":1,"max_completion_tokens":100000}"#, &a, None, None).unwrap();
+            plan_request(&head(&[]), br#"{"max_tokens":1,"max_completion_tokens":100000}"#, &a, None, false).unwrap();
         assert_eq!(p.charge, p.prompt_charge + 100_000);
         let p =
-            plan_request(&head(&[]), br#"{"max_tokens":18446744073709551615,"prompt":"a"}"#, &a, None, None).unwrap();
+            plan_request(&head(&[]), br#"{"max_tokens":18446744073709551615,"prompt":"a"}"#, &a, None, false).unwrap();
         assert_eq!(p.charge, u64::MAX);
     }
 
@@ -268,7 +278,7 @@ mod tests {
     fn a_priority_header_cannot_raise_a_request_past_the_cap() {
         let a = active("");
         let body = b"{\"model\":\"m\"}";
-        let asked = |v: &str| plan_request(&head(&[("x-priority", v)]), body, &a, None, None).unwrap().priority;
+        let asked = |v: &str| plan_request(&head(&[("x-priority", v)]), body, &a, None, false).unwrap().priority;
         assert_eq!((asked("9"), asked("5"), asked("-2")), (5, 5, -2), "capped at max_header_priority");
         let keys = Active::for_config(
             GatewayConfig::parse(
@@ -278,16 +288,16 @@ mod tests {
         );
         let tenant = keys.auth.authenticate(Some(b"Bearer test")).unwrap().unwrap();
         let with_key =
-            |v: &str| plan_request(&head(&[("x-priority", v)]), body, &keys, Some(&tenant), None).unwrap().priority;
+            |v: &str| plan_request(&head(&[("x-priority", v)]), body, &keys, Some(&tenant), false).unwrap().priority;
         assert_eq!((with_key("50"), with_key("1")), (3, 1), "a key's priority can only be lowered");
-        assert_eq!(plan_request(&head(&[]), body, &keys, Some(&tenant), None).unwrap().priority, 3);
+        assert_eq!(plan_request(&head(&[]), body, &keys, Some(&tenant), false).unwrap().priority, 3);
     }
 
     #[test]
     fn bad_bodies_are_400() {
         let a = active("");
         for body in [&b"[]"[..], b"{\"model\":1}", b"{\"stream\":\"yes\"}"] {
-            assert_eq!(plan_request(&head(&[]), body, &a, None, None).unwrap_err().error.status(), 400);
+            assert_eq!(plan_request(&head(&[]), body, &a, None, false).unwrap_err().error.status(), 400);
         }
     }
 }
