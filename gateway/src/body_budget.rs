@@ -73,6 +73,17 @@ impl BodyReservation {
         at_least <= self.bytes || self.grow(at_least - self.bytes, cap)
     }
 
+    /// Hold exactly `bytes` (a gRPC message in progress: the next may be smaller); false,
+    /// holding what it held, when growing would pass `cap`.
+    pub fn resize(&mut self, bytes: u64, cap: u64) -> bool {
+        if bytes < self.bytes {
+            self.budget.give_back(self.bytes - bytes);
+            self.bytes = bytes;
+            return true;
+        }
+        self.grow_to(bytes, cap)
+    }
+
     fn grow(&mut self, more: u64, cap: u64) -> bool {
         let ok = more == 0 || self.budget.take(more, cap);
         if ok {
@@ -124,6 +135,10 @@ mod tests {
         assert_eq!((r.bytes(), b.held()), (80, 100));
         drop((r, other));
         assert_eq!(b.held(), 0);
+        let mut r = b.reserve(70, 100).unwrap();
+        assert!(r.resize(10, 100) && b.held() == 10);
+        assert!(!r.resize(101, 100) && b.held() == 10);
+        assert!(r.resize(100, 100) && b.held() == 100);
     }
 
     #[test]

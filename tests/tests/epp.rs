@@ -20,11 +20,16 @@ const MODEL: &str = "meta-llama/Meta-Llama-3-8B-Instruct";
 /// A gateway serving only as the picker (`listen: null` is not used here: the API listener
 /// stays, so the test can read its admin view), scraping every 100 ms.
 fn picker(urls: impl IntoIterator<Item = String>) -> GatewayConfigBuilder {
+    picker_with(urls, "")
+}
+
+/// [`picker`], with more `epp` settings (`key: value, …`).
+fn picker_with(urls: impl IntoIterator<Item = String>, epp: &str) -> GatewayConfigBuilder {
     GatewayConfigBuilder::new()
         .backends(urls)
         .policy("cost")
         .scrape_interval_ms(100)
-        .section("epp", "{ listen: 127.0.0.1:0 }")
+        .section("epp", &format!("{{ listen: 127.0.0.1:0, {epp} }}"))
 }
 
 fn sim_engines(n: usize) -> Vec<EngineProc> {
@@ -502,4 +507,228 @@ fn rss_kb(pid: u32) -> u64 {
         .trim()
         .parse()
         .unwrap()
+}
+
+// --- the picker's resources against a client that breaks the rules -------------------------
+
+/// A hand-written HTTP/2 client: frames as an attacker writes them, whatever the server's
+/// settings say.
+mod raw_h2 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+
+    pub const DATA: u8 = 0;
+    pub const HEADERS: u8 = 1;
+    pub const RST_STREAM: u8 = 3;
+    pub const SETTINGS: u8 = 4;
+    pub const GOAWAY: u8 = 7;
+    pub const REFUSED_STREAM: u32 = 7;
+
+    pub fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let len = payload.len() as u32;
+        let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    /// A gRPC call's request headers (HPACK literals, no table, no Huffman), END_HEADERS.
+    pub fn call(stream: u32, path: &str) -> Vec<u8> {
+        let mut block = Vec::new();
+        for (name, value) in [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", "picker"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ] {
+            block.push(0);
+            block.push(name.len() as u8);
+            block.extend_from_slice(name.as_bytes());
+            block.push(value.len() as u8);
+            block.extend_from_slice(value.as_bytes());
+        }
+        frame(HEADERS, 0x4, stream, &block)
+    }
+
+    /// A gRPC message's bytes (uncompressed).
+    pub fn message(payload: &[u8]) -> Vec<u8> {
+        let mut m = vec![0];
+        m.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        m.extend_from_slice(payload);
+        m
+    }
+
+    /// The next frame: kind, flags, stream, payload.
+    pub async fn read_frame(r: &mut OwnedReadHalf) -> Option<(u8, u8, u32, Vec<u8>)> {
+        let mut head = [0u8; 9];
+        r.read_exact(&mut head).await.ok()?;
+        let len = (usize::from(head[0]) << 16) | (usize::from(head[1]) << 8) | usize::from(head[2]);
+        let mut payload = vec![0; len];
+        r.read_exact(&mut payload).await.ok()?;
+        let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+        Some((head[3], head[4], stream, payload))
+    }
+
+    /// Preface and settings exchanged: the connection's halves.
+    pub async fn connect(addr: std::net::SocketAddr) -> (OwnedReadHalf, OwnedWriteHalf) {
+        let (mut r, mut w) = tokio::net::TcpStream::connect(addr).await.unwrap().into_split();
+        w.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.unwrap();
+        w.write_all(&frame(SETTINGS, 0, 0, &[])).await.unwrap();
+        loop {
+            let (kind, flags, _, _) = read_frame(&mut r).await.expect("the server's settings");
+            if kind == SETTINGS && flags & 1 == 0 {
+                w.write_all(&frame(SETTINGS, 1, 0, &[])).await.unwrap();
+                return (r, w);
+            }
+        }
+    }
+}
+
+const PROCESS: &str = "/envoy.service.ext_proc.v3.ExternalProcessor/Process";
+
+/// Past `epp.max_streams`: 20,000 streams opened at once on one connection by a client that
+/// ignores the picker's `SETTINGS_MAX_CONCURRENT_STREAMS` are refused beyond the first 100,
+/// and memory stays put (each accepted stream used to cost ~22 kB: +450 MB); a second
+/// connection, polite, gets `RESOURCE_EXHAUSTED` while the first holds them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_past_max_streams_are_refused_per_connection_and_in_all() {
+    use tokio::io::AsyncWriteExt;
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let g = GatewayProc::start(&picker_with([engine.url()], "max_streams: 100").section(
+        "limits",
+        // The silent streams are held for the test's length.
+        "{ header_read_timeout_ms: 60000 }",
+    ));
+    wait_scraped(&g, 1).await;
+    let rss_before = rss_kb(g.pid());
+    let (mut r, mut w) = raw_h2::connect(g.epp.unwrap()).await;
+    let reader = tokio::spawn(async move {
+        let (mut refused, mut goaway) = (0, false);
+        while let Ok(Some((kind, _, _, payload))) =
+            tokio::time::timeout(Duration::from_secs(5), raw_h2::read_frame(&mut r)).await
+        {
+            match kind {
+                raw_h2::RST_STREAM if payload == raw_h2::REFUSED_STREAM.to_be_bytes() => refused += 1,
+                raw_h2::GOAWAY => goaway = true,
+                _ => {}
+            }
+        }
+        (refused, goaway)
+    });
+    let mut flood = Vec::new();
+    for i in 0..20_000u32 {
+        flood.extend_from_slice(&raw_h2::call(2 * i + 1, PROCESS));
+        if flood.len() > 64 * 1024 {
+            if w.write_all(&flood).await.is_err() {
+                break;
+            }
+            flood.clear();
+        }
+    }
+    let _ = w.write_all(&flood).await;
+    eventually("the first 100 streams are open", async || {
+        metric(&scrape(g.admin).await, "switchyard_epp_streams") == 100.0
+    })
+    .await;
+    let rss_during = rss_kb(g.pid());
+
+    // Another connection's stream, within its own connection's limit, is past the total.
+    let mut c = client(&g).await;
+    let (_, error) = exchange(&mut c, vec![headers(POST_COMPLETIONS, false), body(br#"{"prompt":"hi"}"#, true)]).await;
+    assert_eq!(error.map(|e| e.code()), Some(tonic::Code::ResourceExhausted));
+
+    let (refused, goaway) = reader.await.unwrap();
+    eprintln!("20,000 streams: {refused} refused (GOAWAY: {goaway}); RSS {rss_before} → {rss_during} kB");
+    // h2 resets each stream past the limit, or gives up on the connection with GOAWAY.
+    assert!(refused >= 1_000 || goaway, "{refused} streams refused");
+    assert_eq!(metric(&scrape(g.admin).await, "switchyard_epp_streams"), 100.0, "never more than max_streams");
+    assert!(rss_during < rss_before + 64 * 1024, "RSS {rss_before} → {rss_during} kB");
+    drop(w);
+    eventually("the streams end with their connection", async || {
+        metric(&scrape(g.admin).await, "switchyard_epp_streams") == 0.0
+    })
+    .await;
+}
+
+/// A routed stream that goes silent (Envoy never passes the response) is counted in flight
+/// on its engine only until `epp.response_timeout_ms`; then the count is released and the
+/// stream ends with `DEADLINE_EXCEEDED`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_routed_stream_is_released_after_the_response_timeout() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let g = GatewayProc::start(&picker_with([engine.url()], "response_timeout_ms: 1000"));
+    wait_scraped(&g, 1).await;
+    let mut c = client(&g).await;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(headers(POST_COMPLETIONS, false)).await.unwrap();
+    tx.send(body(br#"{"model":"m","prompt":"hi","max_tokens":1}"#, true)).await.unwrap();
+    let mut stream = c.process(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+    let routed = stream.message().await.unwrap().unwrap();
+    assert!(matches!(routed.response, Some(processing_response::Response::RequestHeaders(_))), "{routed:?}");
+    let inflight = async || backends(&g).await["backends"][0]["inflight"].as_u64().unwrap();
+    assert_eq!(inflight().await, 1, "counted on its engine while Envoy makes the exchange");
+    let started = Instant::now();
+    let ended = loop {
+        match tokio::time::timeout(Duration::from_secs(10), stream.message()).await.expect("the picker ends it") {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("ended without an error"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(ended.code(), tonic::Code::DeadlineExceeded, "{ended:?}");
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    assert_eq!(inflight().await, 0, "released");
+    eventually("the access line says why", async || g.log().contains("epp_response_timeout")).await;
+    drop(tx);
+}
+
+/// A gRPC message still arriving holds its declared size against
+/// `limits.max_buffered_body_bytes`: with a 32 MiB cap, three streams each sending the first
+/// bytes of a 10 MiB body message hold 30 MiB, a fourth is answered 503 as HTTP would be, and
+/// closing the streams gives it all back (tonic's buffer used to hold them unseen: +92 MB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partial_grpc_messages_count_against_the_body_cap() {
+    use prost::Message;
+    use tokio::io::AsyncWriteExt;
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let g = GatewayProc::start(
+        &picker([engine.url()]).section("limits", "{ max_buffered_body_bytes: 33554432, body_read_timeout_ms: 60000 }"),
+    );
+    wait_scraped(&g, 1).await;
+    let (mut r, mut w) = raw_h2::connect(g.epp.unwrap()).await;
+    let held = async || metric(&scrape(g.admin).await, "switchyard_buffered_body_bytes");
+    let ten_mib = 10 * 1024 * 1024;
+    for i in 0..4u32 {
+        let id = 2 * i + 1;
+        w.write_all(&raw_h2::call(id, PROCESS)).await.unwrap();
+        let first = raw_h2::message(&headers(POST_COMPLETIONS, false).encode_to_vec());
+        // A body message declaring 10 MiB, of which 1 kB is sent.
+        let mut partial = Vec::from([0u8]);
+        partial.extend_from_slice(&(ten_mib as u32).to_be_bytes());
+        partial.extend_from_slice(&[b' '; 1024]);
+        w.write_all(&raw_h2::frame(raw_h2::DATA, 0, id, &[first, partial].concat())).await.unwrap();
+        if i < 3 {
+            let want = f64::from(i + 1) * (ten_mib + 5) as f64;
+            eventually("the partial message is held", async || held().await >= want).await;
+        }
+    }
+    // The fourth stream's answer: an immediate 503.
+    let mut answer = None;
+    while let Ok(Some((kind, _, stream, payload))) =
+        tokio::time::timeout(Duration::from_secs(10), raw_h2::read_frame(&mut r)).await
+    {
+        if kind == raw_h2::DATA && stream == 7 && payload.len() > 5 {
+            answer = Some(ProcessingResponse::decode(&payload[5..]).unwrap());
+            break;
+        }
+    }
+    let Some(processing_response::Response::ImmediateResponse(i)) = answer.and_then(|a| a.response) else {
+        panic!("no immediate answer on the fourth stream")
+    };
+    assert_eq!(i.status.as_ref().unwrap().code, 503);
+    assert!(held().await <= 32.0 * 1024.0 * 1024.0, "{}", held().await);
+    drop((r, w));
+    eventually("all given back", async || held().await == 0.0).await;
 }

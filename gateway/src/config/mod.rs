@@ -161,6 +161,16 @@ pub struct EppConfig {
     /// Endpoints after the primary in the header, for a gateway that retries down the list
     /// (Istio, kgateway). 0 for plain Envoy, whose `ORIGINAL_DST` cluster reads one address.
     pub fallbacks: usize,
+    /// ext_proc streams open at most, on one connection (HTTP/2's
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS`: a client past it has streams refused) and in all (a
+    /// stream past it ends with `RESOURCE_EXHAUSTED`). Each stream lives as long as its
+    /// request, response included. Read at start.
+    pub max_streams: usize,
+    /// From naming the engine to the response's headers passing back through the picker: past
+    /// it the request stops counting in flight on the engine and its stream ends with
+    /// `DEADLINE_EXCEEDED` (a stream gone silent would otherwise skew routing forever). After
+    /// the headers, response messages may be at most `timeouts.idle_ms` apart.
+    pub response_timeout_ms: u64,
 }
 
 impl Default for EppConfig {
@@ -169,11 +179,18 @@ impl Default for EppConfig {
             listen: "127.0.0.1:9002".into(),
             destination_header: DEFAULT_DESTINATION_HEADER.into(),
             fallbacks: 0,
+            max_streams: 10_000,
+            response_timeout_ms: DEFAULT_FIRST_BYTE_MS,
         }
     }
 }
 
 impl EppConfig {
+    /// [`Self::response_timeout_ms`] as a duration.
+    pub fn response_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.response_timeout_ms)
+    }
+
     fn validate(&self, errs: &mut Errors) {
         if self.listen.parse::<SocketAddr>().is_err() {
             errs.add("epp.listen", &self.listen, "must be IP:PORT");
@@ -181,6 +198,12 @@ impl EppConfig {
         let h = &self.destination_header;
         if h.is_empty() || !h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') {
             errs.add("epp.destination_header", h, "must be a lower-case header name");
+        }
+        if !(1..=1_000_000).contains(&self.max_streams) {
+            errs.add("epp.max_streams", self.max_streams, "must be in 1..=1000000");
+        }
+        if self.response_timeout_ms == 0 {
+            errs.add("epp.response_timeout_ms", 0, "must be > 0");
         }
         if self.fallbacks > 16 {
             errs.add("epp.fallbacks", self.fallbacks, "must be in 0..=16");

@@ -21,7 +21,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, Processin
 use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 
-use super::protocol;
+use super::{budget, protocol};
 use crate::active::Active;
 use crate::cluster::Backend;
 use crate::config::EppConfig;
@@ -36,6 +36,9 @@ pub(super) type Outbound = mpsc::Sender<Result<ProcessingResponse, Status>>;
 
 /// The error label of a stream Envoy broke the protocol on after the pick.
 const PROTOCOL_ERROR: &str = "epp_protocol_error";
+/// … and of one whose response did not pass in time (`epp.response_timeout_ms`, then
+/// `timeouts.idle_ms` between messages).
+const RESPONSE_TIMEOUT: &str = "epp_response_timeout";
 
 /// The engine a routed request is counted on, while Envoy's exchange with it runs.
 struct Routed {
@@ -136,19 +139,23 @@ impl Transport for ExtProcStream {
         if self.body_end.is_some() {
             return Ok(None);
         }
-        match next(&mut self.inbound).await {
-            None => Err(BodyError::Gone),
-            Some((Msg::RequestBody(b), _)) => {
+        match next_message(&mut self.inbound).await {
+            // A message past the process-wide body cap (still arriving, in tonic's buffer).
+            Err(status) if budget::is_budget_error(&status) => Err(BodyError::Refused(ProxyError::BodyBufferFull)),
+            Err(_) | Ok(None) => Err(BodyError::Gone),
+            Ok(Some((Msg::RequestBody(b), _))) => {
                 if b.end_of_stream {
                     self.body_end = Some(BodyEnd::Chunk);
                 }
                 Ok(Some(Bytes::from(b.body)))
             }
-            Some((Msg::RequestTrailers(_), _)) => {
+            Ok(Some((Msg::RequestTrailers(_), _))) => {
                 self.body_end = Some(BodyEnd::Trailers);
                 Ok(None)
             }
-            Some(_) => Err(BodyError::Refused(ProxyError::BadRequest("ext_proc: expected the request body".into()))),
+            Ok(Some(_)) => {
+                Err(BodyError::Refused(ProxyError::BadRequest("ext_proc: expected the request body".into())))
+            }
         }
     }
 
@@ -213,12 +220,23 @@ impl ExtProcStream {
     }
 
     /// Phase `response`: each message passed on, the request accounted on the engine that
-    /// served it.
+    /// served it. The headers are due within `epp.response_timeout_ms` of the pick, each
+    /// message after them within `timeouts.idle_ms` of the last: past either the stream ends
+    /// with `DEADLINE_EXCEEDED`, and the request stops counting on the engine.
     async fn response(&mut self, app: &ProxyApp, active: &Active, r: &mut Routed, ctx: &mut RequestCtx) -> Outcome {
         // The engine's status once its headers pass; 499 until then.
         let mut status = 499;
+        let headers_due = Instant::now() + self.epp.response_timeout();
+        let idle = active.config.timeouts.idle();
         loop {
-            let Some((msg, meta)) = next(&mut self.inbound).await else { return Outcome::client_gone(status) };
+            let due = if status == 499 { headers_due } else { Instant::now() + idle };
+            let Ok(next) = tokio::time::timeout_at(due.into(), next(&mut self.inbound)).await else {
+                let why = "switchyard epp: the response did not pass within epp.response_timeout_ms / timeouts.idle_ms";
+                let _ = self.out.send(Err(Status::deadline_exceeded(why))).await;
+                let status = if status == 499 { 504 } else { status };
+                return Outcome { status, reuse: Reuse::Close, error: Some(RESPONSE_TIMEOUT) };
+            };
+            let Some((msg, meta)) = next else { return Outcome::client_gone(status) };
             let (reply, end) = match msg {
                 Msg::ResponseHeaders(h) => {
                     self.served(active, r, meta.as_ref(), h.headers.as_ref(), ctx);
@@ -329,14 +347,19 @@ impl ExtProcStream {
 /// The next message with a request, and the metadata Envoy sent with it; `None` when the
 /// stream ended or broke.
 async fn next(inbound: &mut Streaming<ProcessingRequest>) -> Option<(Msg, Option<Metadata>)> {
+    next_message(inbound).await.ok().flatten()
+}
+
+/// [`next`], with the error that broke the stream.
+async fn next_message(inbound: &mut Streaming<ProcessingRequest>) -> Result<Option<(Msg, Option<Metadata>)>, Status> {
     loop {
-        match inbound.message().await {
-            Ok(Some(ProcessingRequest { request: Some(m), metadata_context, .. })) => {
-                return Some((m, metadata_context))
+        match inbound.message().await? {
+            Some(ProcessingRequest { request: Some(m), metadata_context, .. }) => {
+                return Ok(Some((m, metadata_context)))
             }
             // Nothing to process (flow control only): wait for the next one.
-            Ok(Some(_)) => continue,
-            Ok(None) | Err(_) => return None,
+            Some(_) => continue,
+            None => return Ok(None),
         }
     }
 }

@@ -14,10 +14,12 @@
 //! gRPC health answers for GIE's three service names: `liveness` (the process answers),
 //! `readiness` and `envoy.service.ext_proc.v3.ExternalProcessor` (ready as `/-/ready` is).
 
+mod budget;
 mod exchange;
 pub(crate) mod protocol;
 
 use std::net::TcpListener;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,6 +50,25 @@ const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 struct Picker {
     app: Arc<ProxyApp>,
     epp: Arc<EppConfig>,
+    /// Streams open now, against `epp.max_streams`.
+    open: Arc<AtomicUsize>,
+}
+
+/// One of `epp.max_streams`, held by a stream's task for its life.
+pub(super) struct StreamSlot(Arc<AtomicUsize>);
+
+impl StreamSlot {
+    /// A slot, unless `max` are taken.
+    fn take(open: &Arc<AtomicUsize>, max: usize) -> Option<StreamSlot> {
+        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1)).ok()?;
+        Some(StreamSlot(open.clone()))
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 #[tonic::async_trait]
@@ -58,9 +79,16 @@ impl ExternalProcessor for Picker {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        let Some(slot) = StreamSlot::take(&self.open, self.epp.max_streams) else {
+            return Err(Status::resource_exhausted("switchyard epp: epp.max_streams streams are open"));
+        };
         // Answers go out in order; a few may wait while Envoy reads (the body echo).
         let (tx, rx) = tokio::sync::mpsc::channel(16);
-        tokio::spawn(exchange::serve(self.app.clone(), self.epp.clone(), request.into_inner(), tx));
+        let (app, epp) = (self.app.clone(), self.epp.clone());
+        tokio::spawn(async move {
+            exchange::serve(app, epp, request.into_inner(), tx).await;
+            drop(slot);
+        });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
@@ -116,9 +144,12 @@ impl BackgroundService for EppService {
                 }
             }
         });
-        let picker = Picker { app: self.app.clone(), epp: self.epp.clone() };
+        let picker = Picker { app: self.app.clone(), epp: self.epp.clone(), open: Arc::default() };
         let service = ExternalProcessorServer::new(picker).max_decoding_message_size(MAX_MESSAGE_BYTES);
+        let max_streams = u32::try_from(self.epp.max_streams).unwrap_or(u32::MAX);
         let served = tonic::transport::Server::builder()
+            .max_concurrent_streams(max_streams)
+            .layer(budget::BudgetLayer { state: self.app.state().clone() })
             .add_service(health)
             .add_service(service)
             .serve_with_incoming_shutdown(incoming, async move {
