@@ -148,6 +148,20 @@ pub enum ProxyError {
         /// Seconds until the request would pass.
         retry_after_secs: u64,
     },
+    /// One request that may use more tokens than its key gets in a whole minute (429, as
+    /// OpenAI's "Request too large"): waiting would not help.
+    #[error(
+        "Request too large for {tenant} on tokens per minute: limit {limit}, requested {requested} (the prompt's \
+         estimate plus n x max_tokens); send a shorter prompt, fewer choices or a lower max_tokens"
+    )]
+    TokensTooLarge {
+        /// The key's tenant.
+        tenant: String,
+        /// Its tokens per minute.
+        limit: u64,
+        /// What the request was charged.
+        requested: u64,
+    },
     /// The tenant already has `admission.max_queue_per_tenant` requests waiting (429).
     #[error(
         "{tenant} already has {max} requests waiting for an engine (admission.max_queue_per_tenant); retry shortly"
@@ -267,7 +281,9 @@ impl ProxyError {
             ProxyError::Upstream(_) => 502,
             ProxyError::UpstreamTimeout(_) => 504,
             ProxyError::Unauthorized(_) => 401,
-            ProxyError::RateLimited { .. } | ProxyError::TenantQueueFull { .. } => 429,
+            ProxyError::RateLimited { .. } | ProxyError::TenantQueueFull { .. } | ProxyError::TokensTooLarge { .. } => {
+                429
+            }
             ProxyError::HeaderTooLarge(_) => 431,
             ProxyError::StreamBroken(_) => 502,
         }
@@ -290,6 +306,7 @@ impl ProxyError {
             ProxyError::Unauthorized(_) => "unauthorized",
             ProxyError::RateLimited { what: "tokens", .. } => "rate_limited_tokens",
             ProxyError::RateLimited { .. } => "rate_limited_requests",
+            ProxyError::TokensTooLarge { .. } => "tokens_too_large",
             ProxyError::TenantQueueFull { .. } => "tenant_queue_full",
             ProxyError::HeaderTooLarge(_) => "header_too_large",
             ProxyError::StreamBroken(kind) => kind.label(),
@@ -301,6 +318,7 @@ impl ProxyError {
         match self {
             ProxyError::RateLimited { what, .. } => return what,
             ProxyError::TenantQueueFull { .. } => return "requests",
+            ProxyError::TokensTooLarge { .. } => return "tokens",
             _ => {}
         }
         match self.status() {
@@ -316,6 +334,7 @@ impl ProxyError {
             ProxyError::ModelNotFound(_) => Some("model_not_found"),
             ProxyError::Unauthorized(_) => Some("invalid_api_key"),
             ProxyError::RateLimited { .. } | ProxyError::TenantQueueFull { .. } => Some("rate_limit_exceeded"),
+            ProxyError::TokensTooLarge { .. } => Some("request_too_large"),
             ProxyError::StreamBroken(kind) => Some(kind.label()),
             _ => None,
         }
@@ -339,7 +358,13 @@ impl ProxyError {
     /// Whether the gateway refuses the request on its own account (a key's limits, the
     /// process-wide body buffer): counted in `switchyard_rejected_total` besides being answered.
     pub fn is_refusal(&self) -> bool {
-        matches!(self, ProxyError::RateLimited { .. } | ProxyError::TenantQueueFull { .. } | ProxyError::BodyBufferFull)
+        matches!(
+            self,
+            ProxyError::RateLimited { .. }
+                | ProxyError::TenantQueueFull { .. }
+                | ProxyError::TokensTooLarge { .. }
+                | ProxyError::BodyBufferFull
+        )
     }
 
     /// Seconds a client should wait before retrying (503, 429).

@@ -115,18 +115,32 @@ async fn a_key_over_its_limits_gets_429_and_other_keys_do_not() {
     let r = call(g.addr, Some(KEY_C), &big).await;
     assert_eq!(r.status, 200, "the first request's unused tokens were refunded");
     r.text().await;
-    // One asking for more than is left is refused, with the token error type.
-    let huge = json!({"model": "m", "prompt": "hello", "max_tokens": 5000});
-    let r = call(g.addr, Some(KEY_C), &huge).await;
-    assert_eq!(r.status, 429);
-    assert!(r.headers.contains_key("retry-after"));
-    assert_eq!(r.json().await["error"]["type"], "tokens");
-    // The budget counts the larger of max_tokens and max_completion_tokens, so a small
-    // max_tokens beside a huge max_completion_tokens is not a way around it (#24).
-    let both = json!({"model": "m", "prompt": "hello", "max_tokens": 1, "max_completion_tokens": 100000});
-    let r = call(g.addr, Some(KEY_C), &both).await;
-    assert_eq!(r.status, 429);
-    assert_eq!(r.json().await["error"]["type"], "tokens");
+    // One asking for more than the whole minute's budget is refused as OpenAI's "Request too
+    // large" is: 429 with the token error type, and no Retry-After (waiting would not help;
+    // a full bucket used to let it through).
+    let too_large = async |body: serde_json::Value| {
+        let before = engine.posts();
+        let r = call(g.addr, Some(KEY_C), &body).await;
+        let retry_after = r.headers.contains_key("retry-after");
+        let (status, err) = (r.status, r.json().await);
+        assert_eq!((status, retry_after), (429, false), "{body}: {err}");
+        assert_eq!(err["error"]["type"], "tokens", "{err}");
+        assert!(err["error"]["message"].as_str().unwrap().starts_with("Request too large"), "{err}");
+        assert_eq!(engine.posts(), before, "never reaches an engine");
+    };
+    too_large(json!({"model": "m", "prompt": "hello", "max_tokens": 5000})).await;
+    // The engines' precedence: a small max_tokens beside a huge max_completion_tokens is not
+    // a way around it (#24); nor are numbers written as strings or floats, which vLLM reads.
+    too_large(json!({"model": "m", "prompt": "hello", "max_tokens": 1, "max_completion_tokens": 100000})).await;
+    too_large(json!({"model": "m", "prompt": "hello", "max_completion_tokens": "100000"})).await;
+    too_large(json!({"model": "m", "prompt": "hello", "max_completion_tokens": 1e5})).await;
+    // Every choice is charged: n=16 of 10 tokens is 160, over the 100 a single one fits in.
+    too_large(json!({"model": "m", "prompt": "hello", "max_tokens": 10, "n": 16})).await;
+    let one = call(g.addr, Some(KEY_C), &json!({"model": "m", "prompt": "hello", "max_tokens": 10, "n": 1})).await;
+    assert_eq!(one.status, 200);
+    one.text().await;
+    // (One that fits the budget but not what is left now gets 429 with Retry-After:
+    // transports.rs, over every transport.)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -180,9 +180,12 @@ async fn every_rule_holds_the_same_on_http1_h2c_and_the_endpoint_picker() {
         .section("limits", &format!("{{ max_body_bytes: {MAX_BODY} }}"))
         .section("admission", &format!("{{ max_queue: 8, max_wait_ms: {QUEUE_WAIT_MS} }}"))
         .section("models", "{ short: { targets: [ { model: m, weight: 1 } ] } }");
-    // A key per transport whose token budget the first request spends.
+    // A key per transport whose token budget the first request spends: its charge is the
+    // body's bytes at 4 a token, plus max_tokens (a request over the whole budget would be
+    // refused outright, "Request too large").
+    let one_charge = (completion("m").len() as f64 / 4.0).round() as u64 + 2;
     for tenant in poor {
-        config = config.api_key(ApiKey::new(tenant, &sha256(&format!("sk-{tenant}"))).tokens_per_minute(1));
+        config = config.api_key(ApiKey::new(tenant, &sha256(&format!("sk-{tenant}"))).tokens_per_minute(one_charge));
     }
     let g = GatewayProc::start(&config);
     eventually("the engine is scraped and the dead one down", async || {

@@ -27,7 +27,7 @@ pub struct RoutePlan {
     /// Admission priority: the priority header (at most the tenant's, or without keys
     /// `admission.max_header_priority`), else the tenant's, else 0.
     pub priority: i32,
-    /// Token budget charge before routing: prompt estimate + max tokens (or the default).
+    /// Token budget charge before routing: prompt estimate + n × max tokens (or the default).
     pub charge: u64,
     /// The prompt part of [`Self::charge`] (body bytes ÷ bytes per token).
     pub prompt_charge: u64,
@@ -129,7 +129,9 @@ pub fn plan_request(
         None => tenant.map_or(0, |t| t.priority),
     };
     let prompt_charge = cfg.prefix_index.tokens(body.len());
-    let charge = prompt_charge.saturating_add(fields.max_tokens.unwrap_or(cfg.auth.default_max_tokens));
+    // Every choice may run to its limit.
+    let output = fields.choices.saturating_mul(fields.max_tokens.unwrap_or(cfg.auth.default_max_tokens));
+    let charge = prompt_charge.saturating_add(output);
     let mut plan = RoutePlan {
         model,
         stream: fields.stream,
@@ -272,6 +274,11 @@ mod tests {
         let p =
             plan_request(&head(&[]), br#"{"max_tokens":18446744073709551615,"prompt":"a"}"#, &a, None, false).unwrap();
         assert_eq!(p.charge, u64::MAX);
+        // Every choice is charged; numbers are read as the engine reads them.
+        let p = plan_request(&head(&[]), br#"{"n":16,"max_tokens":900,"prompt":"a"}"#, &a, None, false).unwrap();
+        assert_eq!(p.charge, p.prompt_charge + 16 * 900);
+        let p = plan_request(&head(&[]), br#"{"n":"2","max_completion_tokens":1e5}"#, &a, None, false).unwrap();
+        assert_eq!(p.charge, p.prompt_charge + 200_000);
     }
 
     #[test]

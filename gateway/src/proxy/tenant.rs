@@ -93,6 +93,10 @@ impl ProxyApp {
     /// Charge the tenant's token budget what `plan` may use (429 when it does not fit).
     pub(super) async fn charge_tokens(&self, plan: &RoutePlan, ctx: &mut RequestCtx) -> Result<(), ProxyError> {
         let Some(tenant) = ctx.tenant.clone() else { return Ok(()) };
+        if let Some(limit) = tenant.tokens_per_minute().filter(|&limit| plan.charge > limit) {
+            let tenant = ctx.tenant_name().to_string();
+            return Err(ProxyError::TokensTooLarge { tenant, limit, requested: plan.charge });
+        }
         match self.take_tokens(&tenant, plan.charge).await {
             Ok(Some(ledger)) => {
                 ctx.charged = Some((plan.charge, plan.prompt_charge));

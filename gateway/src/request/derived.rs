@@ -27,6 +27,8 @@ pub(super) fn routing_fields(text: &str, limits: &PromptLimits) -> Result<Routin
         max_tokens: Option<&'a RawValue>,
         #[serde(borrow)]
         max_completion_tokens: Option<&'a RawValue>,
+        #[serde(borrow)]
+        n: Option<&'a RawValue>,
         messages: Option<Items>,
         prompt: Option<Items>,
     }
@@ -42,7 +44,7 @@ pub(super) fn routing_fields(text: &str, limits: &PromptLimits) -> Result<Routin
             return Err(ProxyError::too_long("prompt", "prompts or token ids", limits.max_prompt_items, all));
         }
     }
-    checked_fields(text, raw.model, raw.stream, raw.max_tokens, raw.max_completion_tokens)
+    checked_fields(text, raw.model, raw.stream, [raw.max_tokens, raw.max_completion_tokens, raw.n])
 }
 
 /// How many items a value holds, counted while it is skipped: `top`, the entries of an

@@ -40,6 +40,8 @@ pub struct RoutingFields {
     pub model_span: Option<std::ops::Range<usize>>,
     /// `stream`.
     pub stream: bool,
+    /// Choices asked for (`n`, read as [`max_tokens`](Self::max_tokens) is; at least 1).
+    pub choices: u64,
     /// `max_completion_tokens` (else `max_tokens`, the engines' precedence) when it is a
     /// non-negative integer; other values are left for the engine to reject.
     pub max_tokens: Option<u64>,
@@ -114,7 +116,7 @@ fn read_request<S: prompt::PromptSink>(
             return Err(ProxyError::too_long("prompt", "prompts or token ids", limits.max_prompt_items, all));
         }
     }
-    let fields = checked_fields(text, raw.model, raw.stream, raw.max_tokens, raw.max_completion_tokens)?;
+    let fields = checked_fields(text, raw.model, raw.stream, [raw.max_tokens, raw.max_completion_tokens, raw.n])?;
     Ok((fields, raw.prompt, raw.seen))
 }
 
@@ -144,8 +146,7 @@ fn checked_fields(
     text: &str,
     model: Option<&RawValue>,
     stream: Option<&RawValue>,
-    max_tokens: Option<&RawValue>,
-    max_completion_tokens: Option<&RawValue>,
+    [max_tokens, max_completion_tokens, n]: [Option<&RawValue>; 3],
 ) -> Result<RoutingFields, ProxyError> {
     let (model, model_span) =
         match model {
@@ -171,8 +172,25 @@ fn checked_fields(
     };
     // The engines' precedence (vLLM, ours): `max_completion_tokens` first. Charging
     // `max_tokens` first let `{"max_tokens":1,"max_completion_tokens":100000}` pay for one.
-    let max_tokens = max_completion_tokens.or(max_tokens).and_then(|v| v.get().parse::<u64>().ok());
-    Ok(RoutingFields { model, model_span, stream, max_tokens })
+    let max_tokens = max_completion_tokens.or(max_tokens).and_then(lax_count);
+    let choices = n.and_then(lax_count).unwrap_or(1).max(1);
+    Ok(RoutingFields { model, model_span, stream, choices, max_tokens })
+}
+
+/// A count as vLLM's request models (pydantic, lax mode) read one, so the budget charges
+/// what the engine will run: an integer, a number with no fraction (`1e5`, `100000.0`), or a
+/// string holding either (`"100000"`); one past `u64` saturates. `None` for anything else
+/// (negative, fractional, not a number: the engine refuses it, and nothing is used).
+fn lax_count(raw: &RawValue) -> Option<u64> {
+    let text = raw.get();
+    let unquoted = json_string(text);
+    let number = unquoted.as_deref().map_or(text, str::trim);
+    if let Ok(n) = number.parse::<u64>() {
+        return Some(n);
+    }
+    // Rust's float parser also takes `inf` and `NaN`: only finite, whole, non-negative.
+    let f: f64 = number.parse().ok()?;
+    (f.is_finite() && f >= 0.0 && f.fract() == 0.0).then(|| if f >= u64::MAX as f64 { u64::MAX } else { f as u64 })
 }
 
 /// Where `part`, a subslice of `whole`, stands in it.
@@ -199,7 +217,7 @@ pub fn form_routing_fields(body: &[u8], boundary: &str) -> Result<RoutingFields,
         }
     };
     let model_span = model.map(|m| span_in(body, m.as_bytes()));
-    Ok(RoutingFields { model: model.map(str::to_string), model_span, stream, max_tokens: None })
+    Ok(RoutingFields { model: model.map(str::to_string), model_span, stream, choices: 1, max_tokens: None })
 }
 
 /// A model name may become a metric label, a log field and a header: at most
@@ -283,11 +301,17 @@ mod tests {
         .unwrap();
         assert_eq!(
             f,
-            RoutingFields { model: Some("m".into()), model_span: Some(9..12), stream: true, max_tokens: None }
+            RoutingFields {
+                model: Some("m".into()),
+                model_span: Some(9..12),
+                stream: true,
+                choices: 1,
+                max_tokens: None
+            }
         );
         assert_eq!(
             routing_fields(b" {}", &PromptLimits::NONE).unwrap(),
-            RoutingFields { model: None, model_span: None, stream: false, max_tokens: None }
+            RoutingFields { model: None, model_span: None, stream: false, choices: 1, max_tokens: None }
         );
         // The span is the value as written, escapes and all; a form field's is its bytes.
         let escaped = br#"{"stream":false, "model" : "a/b"}"#;
@@ -305,7 +329,23 @@ mod tests {
             "the engine's precedence"
         );
         assert_eq!(routing_fields(br#"{"max_tokens":-1}"#, &PromptLimits::NONE).unwrap().max_tokens, None);
-        assert_eq!(routing_fields(br#"{"max_tokens":1e99}"#, &PromptLimits::NONE).unwrap().max_tokens, None);
+        let max = |body: &[u8]| routing_fields(body, &PromptLimits::NONE).unwrap().max_tokens;
+        // As pydantic reads them (vLLM), so the budget charges what the engine runs.
+        assert_eq!(max(br#"{"max_tokens":1e99}"#), Some(u64::MAX));
+        assert_eq!(max(br#"{"max_completion_tokens":"100000"}"#), Some(100_000));
+        assert_eq!(max(br#"{"max_completion_tokens":1e5}"#), Some(100_000));
+        assert_eq!(max(br#"{"max_tokens":100000.0}"#), Some(100_000));
+        assert_eq!(max(br#"{"max_tokens":" 7 "}"#), Some(7));
+        for bad in [
+            &br#"{"max_tokens":1.5}"#[..],
+            br#"{"max_tokens":"NaN"}"#,
+            br#"{"max_tokens":"inf"}"#,
+            br#"{"max_tokens":true}"#,
+        ] {
+            assert_eq!(max(bad), None, "{}", String::from_utf8_lossy(bad));
+        }
+        let n = |body: &[u8]| routing_fields(body, &PromptLimits::NONE).unwrap().choices;
+        assert_eq!((n(br#"{"n":16}"#), n(br#"{"n":"4"}"#), n(br#"{"n":0}"#), n(br#"{}"#)), (16, 4, 1, 1));
     }
 
     #[test]

@@ -57,6 +57,8 @@ pub struct Parsed<'de, S> {
     pub stream: Option<&'de RawValue>,
     pub max_tokens: Option<&'de RawValue>,
     pub max_completion_tokens: Option<&'de RawValue>,
+    /// `n`, the choices asked for.
+    pub n: Option<&'de RawValue>,
     /// The entries of `messages` when it is given (0 when it is not an array).
     pub messages: Option<usize>,
     /// The items of `prompt` when it is given: its entries, an array entry counted by its
@@ -190,6 +192,7 @@ enum Field {
     Stream,
     MaxTokens,
     MaxCompletionTokens,
+    N,
     Messages,
     Prompt,
     Role,
@@ -208,6 +211,7 @@ impl Field {
             Field::MaxCompletionTokens => ("max_completion_tokens", 8),
             Field::Messages => ("messages", 16),
             Field::Prompt => ("prompt", 32),
+            Field::N => ("n", 64),
             _ => return None,
         })
     }
@@ -229,6 +233,7 @@ impl<'de> Deserialize<'de> for Field {
                     "max_completion_tokens" => Field::MaxCompletionTokens,
                     "messages" => Field::Messages,
                     "prompt" => Field::Prompt,
+                    "n" => Field::N,
                     "role" => Field::Role,
                     "content" => Field::Content,
                     "text" => Field::Text,
@@ -270,6 +275,7 @@ impl<'de, S: PromptSink> Visitor<'de> for Request<S> {
             stream: None,
             max_tokens: None,
             max_completion_tokens: None,
+            n: None,
             messages: None,
             prompt_items: None,
             prompt: self.proto.fresh(0),
@@ -294,6 +300,7 @@ impl<'de, S: PromptSink> Visitor<'de> for Request<S> {
                 Field::Stream => p.stream = map.next_value()?,
                 Field::MaxTokens => p.max_tokens = map.next_value()?,
                 Field::MaxCompletionTokens => p.max_completion_tokens = map.next_value()?,
+                Field::N => p.n = map.next_value()?,
                 Field::Messages => {
                     let seed = Messages { capacity: self.capacity, proto: &self.proto, bad: &mut bad, see: self.see };
                     let seen;
