@@ -188,9 +188,10 @@ fn lax_count(raw: &RawValue) -> Option<u64> {
     if let Ok(n) = number.parse::<u64>() {
         return Some(n);
     }
-    // Rust's float parser also takes `inf` and `NaN`: only finite, whole, non-negative.
+    // Rust's float parser also takes `inf` and `NaN`: only finite, whole, non-negative (the
+    // cast saturates past `u64::MAX`).
     let f: f64 = number.parse().ok()?;
-    (f.is_finite() && f >= 0.0 && f.fract() == 0.0).then(|| if f >= u64::MAX as f64 { u64::MAX } else { f as u64 })
+    (f.is_finite() && f >= 0.0 && f.fract() == 0.0).then_some(f as u64)
 }
 
 /// Where `part`, a subslice of `whole`, stands in it.
