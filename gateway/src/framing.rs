@@ -252,14 +252,17 @@ fn line(input: &[u8]) -> Result<Option<usize>, BodyError> {
     }
 }
 
-/// A chunk-size line's size: hex digits, then optional whitespace and `;extensions`.
+/// A chunk-size line's size: hex digits, then optional whitespace and `;extensions` of
+/// visible characters, spaces and tabs — no control character (a bare CR in an extension is
+/// where another parser may see the line end: RFC 9112 §7.1.1).
 fn chunk_size(line: &[u8]) -> Result<u64, BodyError> {
     let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
     if digits == 0 || digits > 15 {
         return Err(BodyError::ChunkSize);
     }
     let rest = &line[digits..];
-    let rest_ok = rest.iter().position(|&b| b != b' ' && b != b'\t').is_none_or(|i| rest[i] == b';');
+    let rest_ok = rest.iter().position(|&b| b != b' ' && b != b'\t').is_none_or(|i| rest[i] == b';')
+        && rest.iter().all(|&b| b == b'\t' || (b' '..=b'~').contains(&b));
     if !rest_ok {
         return Err(BodyError::ChunkSize);
     }
@@ -316,7 +319,12 @@ mod tests {
         assert_eq!(chunk_size(b"0"), Ok(0));
         assert_eq!(chunk_size(b"1aF ; ext=1"), Ok(0x1af));
         assert_eq!(chunk_size(b"fffffffffffffff"), Ok((1 << 60) - 1));
-        for bad in [&b""[..], b"g", b"1g", b"ffffffffffffffff", b" 1", b"1 x"] {
+        // A control character in an extension (a bare CR, where another parser may end the
+        // line) is refused; tabs and spaces are whitespace.
+        assert_eq!(chunk_size(b"1;a=\"b c\"\t;d"), Ok(1));
+        for bad in
+            [&b""[..], b"g", b"1g", b"ffffffffffffffff", b" 1", b"1 x", b"1;a\rb", b"1;\x00", b"1;a=\x7f", b"1;\x0b"]
+        {
             assert_eq!(chunk_size(bad), Err(BodyError::ChunkSize), "{:?}", String::from_utf8_lossy(bad));
         }
     }

@@ -57,6 +57,12 @@ pub(crate) fn is_hop_by_hop(name: &[u8]) -> bool {
     name.eq_ignore_ascii_case(candidate)
 }
 
+/// Whether a response with `status` may carry `Content-Length`: never a 1xx or a 204
+/// (RFC 9110 §8.6).
+pub(crate) fn may_carry_length(status: u16) -> bool {
+    status >= 200 && status != 204
+}
+
 /// Client headers that never reach an engine: credentials and session state meant for the
 /// edge (with API keys on, `authorization` is the tenant's key and is dropped too).
 pub(crate) const EDGE_ONLY: &[&str] = &["proxy-authorization", "cookie"];

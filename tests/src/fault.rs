@@ -16,8 +16,12 @@ use tokio::net::{TcpListener, TcpStream};
 pub enum Fault {
     /// 200 with a small completion (`stream: true` bodies get a short SSE stream).
     Healthy,
-    /// Answer with this status and an OpenAI-shaped error (`Retry-After: 1` on 503).
+    /// Answer with this status and an OpenAI-shaped error (`Retry-After: 1` on 503); a 204
+    /// with no body and `content-length: 0`.
     Status(u16),
+    /// Answer every POST with exactly these bytes (a response head and body as an engine
+    /// that breaks the rules writes them), keeping the connection.
+    Raw(&'static str),
     /// Read the request, never answer.
     StallBeforeHeader,
     /// Send the SSE header and `n` events, then never send more.
@@ -54,6 +58,8 @@ pub struct Seen {
     pub stalls_closed: AtomicUsize,
     /// Streamed answers cut off before their end because the peer closed the connection.
     pub streams_cut: AtomicUsize,
+    /// POSTs that came on a connection an earlier POST came on (the peer reused it).
+    pub reused_posts: AtomicUsize,
 }
 
 /// A running fault engine; dropping it stops accepting.
@@ -122,6 +128,7 @@ async fn serve(mut stream: TcpStream, fault: Arc<Mutex<Fault>>, seen: Arc<Seen>)
     let _open = Open(seen.clone());
     let _ = stream.set_nodelay(true);
     let mut buf = Vec::new();
+    let mut posts = 0;
     loop {
         let Some((head_len, body_len)) = read_request(&mut stream, &mut buf).await else { return };
         let request: Vec<u8> = buf.drain(..head_len + body_len).collect();
@@ -139,6 +146,10 @@ async fn serve(mut stream: TcpStream, fault: Arc<Mutex<Fault>>, seen: Arc<Seen>)
             let body = &request[head_len..];
             let streamed = String::from_utf8_lossy(body).contains("\"stream\":true");
             seen.requests.lock().unwrap().push(request.clone());
+            if posts > 0 {
+                seen.reused_posts.fetch_add(1, Ordering::SeqCst);
+            }
+            posts += 1;
             let now = fault.lock().unwrap().clone();
             match now {
                 Fault::Healthy if streamed => sse(&mut stream, 3, 5, &seen).await,
@@ -164,6 +175,10 @@ async fn serve(mut stream: TcpStream, fault: Arc<Mutex<Fault>>, seen: Arc<Seen>)
                 Fault::Healthy => {
                     let b = r#"{"id":"cmpl-f","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
                     write(&mut stream, 200, "application/json", b).await
+                }
+                Fault::Raw(bytes) => stream.write_all(bytes.as_bytes()).await.is_ok(),
+                Fault::Status(204) => {
+                    stream.write_all(b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n").await.is_ok()
                 }
                 Fault::Status(code) => {
                     let b = format!(

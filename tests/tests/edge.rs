@@ -143,6 +143,69 @@ async fn a_key_over_its_limits_gets_429_and_other_keys_do_not() {
     // transports.rs, over every transport.)
 }
 
+/// HTTP/1.1 details the second attack round found (#44), each against a real gateway and
+/// engine: a request without a `Host`, or with one that is not `host[:port]`, and a chunk
+/// extension with a bare CR are refused before any engine; `Expect` and a field named with
+/// an underscore (`Transfer_Encoding`) never reach the engine; an engine's 204 reaches the
+/// client without a `Content-Length`; an engine's `Content-Length: +2` is a 502; an
+/// engine's chunked HTTP/1.0 answer is passed on and its connection not used again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http1_details_of_the_second_round() {
+    let engine = FaultEngine::start(Fault::Healthy).await;
+    let g = GatewayProc::start(&config(&engine.url()));
+    wait_scraped(&g, 1).await;
+    let body = r#"{"model":"m","prompt":"a","max_tokens":1}"#;
+    let limit = Duration::from_secs(5);
+    let exchange = async |head: &str, body: &str| {
+        let request = format!("POST /v1/completions HTTP/1.1\r\n{head}Connection: close\r\n\r\n{body}");
+        raw_exchange(g.addr, request.as_bytes(), limit).await.0
+    };
+    let status = |resp: &str| resp.split(' ').nth(1).and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);
+    let length = format!("Content-Length: {}\r\n", body.len());
+
+    for host in ["", "Host: gw/path\r\n", "Host: a, b\r\n", "Host: gw:80x\r\n"] {
+        let resp = exchange(&format!("{host}{length}"), body).await;
+        assert_eq!(status(&resp), 400, "{host:?}: {resp}");
+    }
+    let chunked = format!("{:x};a=\rb\r\n{body}\r\n0\r\n\r\n", body.len());
+    let resp = exchange("Host: gw\r\nTransfer-Encoding: chunked\r\n", &chunked).await;
+    assert_eq!(status(&resp), 400, "bare CR in a chunk extension: {resp}");
+    assert_eq!(engine.posts(), 0, "nothing refused reached the engine");
+
+    let head = format!("Host: gw\r\nExpect: 100-continue\r\nTransfer_Encoding: chunked\r\n{length}");
+    let resp = exchange(&head, body).await;
+    assert!(resp.contains("HTTP/1.1 200"), "{resp}");
+    let forwarded = String::from_utf8_lossy(&engine.seen.requests.lock().unwrap()[0]).to_ascii_lowercase();
+    assert!(!forwarded.contains("expect") && !forwarded.contains("transfer_encoding"), "{forwarded}");
+
+    engine.set(Fault::Status(204));
+    let resp = exchange(&format!("Host: gw\r\n{length}"), body).await;
+    assert_eq!(status(&resp), 204, "{resp}");
+    assert!(!resp.to_ascii_lowercase().contains("content-length"), "RFC 9110 §8.6: {resp}");
+
+    engine.set(Fault::Raw("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: +2\r\n\r\n{}"));
+    let resp = exchange(&format!("Host: gw\r\n{length}"), body).await;
+    assert_eq!(status(&resp), 502, "{resp}");
+
+    // An HTTP/1.1 answer's connection is used again; a chunked HTTP/1.0 one's is not.
+    let twice = async || {
+        let before = engine.seen.reused_posts.load(std::sync::atomic::Ordering::SeqCst);
+        for _ in 0..2 {
+            let r = post(g.addr, "/v1/completions", &serde_json::from_str(body).unwrap()).await;
+            assert_eq!(r.status, 200);
+            assert_eq!(r.text().await, "{}");
+        }
+        engine.seen.reused_posts.load(std::sync::atomic::Ordering::SeqCst) - before
+    };
+    engine.set(Fault::Raw("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"));
+    assert!(twice().await >= 1, "HTTP/1.1: the pooled connection is used again");
+    engine.set(Fault::Raw(
+        "HTTP/1.0 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    ));
+    twice().await;
+    assert_eq!(twice().await, 0, "RFC 9112 §6.1: a chunked HTTP/1.0 answer's connection is closed");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_heads_and_smuggling_attempts_never_reach_an_engine() {
     let engine = FaultEngine::start(Fault::Healthy).await;

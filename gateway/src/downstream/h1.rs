@@ -322,7 +322,8 @@ impl<'c> H1Request<'c> {
         let connection: &[u8] = if self.keepalive { b"keep-alive" } else { b"close" };
         put_fields(&mut out, &[(b"connection", connection)]);
         match (self.out, length) {
-            (Out::Length | Out::NoBody, Some(n)) => put_length(&mut out, n),
+            (Out::Length, Some(n)) => put_length(&mut out, n),
+            (Out::NoBody, Some(n)) if crate::http::may_carry_length(status) => put_length(&mut out, n),
             (Out::Chunked, _) => put_fields(&mut out, &[(b"transfer-encoding", b"chunked")]),
             _ => {}
         }
@@ -449,7 +450,7 @@ mod tests {
 
     #[tokio::test]
     async fn pipelined_requests_are_read_one_after_the_other_with_their_bodies() {
-        let input = b"POST /a HTTP/1.1\r\nContent-Length: 3\r\n\r\nabcPOST /b HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nde\r\n1;x=y\r\nf\r\n0\r\nT: 1\r\n\r\nGET /c HTTP/1.1\r\n\r\n";
+        let input = b"POST /a HTTP/1.1\r\nHost: gw\r\nContent-Length: 3\r\n\r\nabcPOST /b HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nde\r\n1;x=y\r\nf\r\n0\r\nT: 1\r\n\r\nGET /c HTTP/1.1\r\nHost: gw\r\n\r\n";
         let (mut conn, _client) = connection(input).await;
         let mut seen = Vec::new();
         for _ in 0..3 {
@@ -464,7 +465,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_known_length_leaves_with_its_head_in_one_write_and_keeps_the_connection() {
-        let (mut conn, mut client) = connection(b"GET / HTTP/1.1\r\n\r\n").await;
+        let (mut conn, mut client) = connection(b"GET / HTTP/1.1\r\nHost: gw\r\n\r\n").await;
         let head = conn.read_head(4096, 16).await.unwrap().unwrap();
         let mut r = H1Request::new(&mut conn, head, true);
         r.write_head(200, [(&b"content-type"[..], &b"text/plain"[..]), (b"content-length", b"99")], Some(2));
@@ -481,7 +482,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_stream_is_chunked_for_http11_and_delimited_by_close_for_http10() {
-        let (mut conn, mut client) = connection(b"POST / HTTP/1.1\r\nContent-Length: 0\r\n\r\n").await;
+        let (mut conn, mut client) = connection(b"POST / HTTP/1.1\r\nHost: gw\r\nContent-Length: 0\r\n\r\n").await;
         let head = conn.read_head(4096, 16).await.unwrap().unwrap();
         let mut r = H1Request::new(&mut conn, head, true);
         r.write_head(200, [], None);
@@ -514,7 +515,7 @@ mod tests {
     #[tokio::test]
     async fn continue_is_sent_before_the_body_is_read_and_an_unread_body_closes() {
         let (mut conn, mut client) =
-            connection(b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n").await;
+            connection(b"POST / HTTP/1.1\r\nHost: gw\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n").await;
         let head = conn.read_head(4096, 16).await.unwrap().unwrap();
         let mut r = H1Request::new(&mut conn, head, true);
         let reading = tokio::spawn(async move {
@@ -525,7 +526,7 @@ mod tests {
         assert_eq!(body(&mut r).await, b"hi");
         let _client = reading.await.unwrap();
 
-        let (mut conn, mut client) = connection(b"POST / HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc").await;
+        let (mut conn, mut client) = connection(b"POST / HTTP/1.1\r\nHost: gw\r\nContent-Length: 10\r\n\r\nabc").await;
         let head = conn.read_head(4096, 16).await.unwrap().unwrap();
         let mut r = H1Request::new(&mut conn, head, true);
         r.write_head(413, [], Some(0));
@@ -536,10 +537,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_client_that_leaves_is_seen_and_one_that_pipelines_is_kept() {
-        let (mut conn, mut client) = connection(b"GET / HTTP/1.1\r\n\r\n").await;
+        let (mut conn, mut client) = connection(b"GET / HTTP/1.1\r\nHost: gw\r\n\r\n").await;
         let head = conn.read_head(4096, 16).await.unwrap().unwrap();
         let mut r = H1Request::new(&mut conn, head, true);
-        client.write_all(b"GET /next HTTP/1.1\r\n\r\n").await.unwrap();
+        client.write_all(b"GET /next HTTP/1.1\r\nHost: gw\r\n\r\n").await.unwrap();
         let watch = tokio::time::timeout(std::time::Duration::from_millis(100), r.closed()).await;
         assert!(watch.is_err(), "more bytes are not the client leaving");
         drop(client);

@@ -46,6 +46,8 @@ struct Hop {
     close: bool,
     keep_alive: bool,
     expect_continue: bool,
+    /// An HTTP/1.1 request without `Host` (refused by [`RequestHead::parse`]).
+    no_host: bool,
 }
 
 /// A range of `raw`, kept small.
@@ -121,6 +123,7 @@ impl RequestHead {
         let mut head =
             RequestHead { raw, method, target, path_len: 0, http10: minor == 0, fields, hop: Hop::default() };
         head.hop = head.read_hop()?;
+        head.check_host()?;
         head.resolve_target()?;
         Ok(Some(head))
     }
@@ -256,6 +259,19 @@ impl RequestHead {
         std::str::from_utf8(&self.raw[s.range()]).unwrap_or("")
     }
 
+    /// RFC 9112 §3.2: an HTTP/1.1 request carries a `Host` (HTTP/1.0 may leave it out), and
+    /// its value is an authority, `host[:port]` — not `gw/path`, not a list (`a, b`). (An
+    /// HTTP/2 request's authority is its `:authority`, checked by the HTTP/2 library.)
+    fn check_host(&self) -> Result<(), ProxyError> {
+        if self.hop.no_host {
+            return Err(bad("an HTTP/1.1 request must carry a Host header"));
+        }
+        match self.get("host") {
+            Some(host) if !is_authority(host) => Err(bad("Host header must be host[:port]")),
+            _ => Ok(()),
+        }
+    }
+
     /// Narrow `target` to the path and query, checking an absolute-form target's authority.
     fn resolve_target(&mut self) -> Result<(), ProxyError> {
         if self.method_is("CONNECT") {
@@ -329,6 +345,9 @@ impl RequestHead {
         if hosts > 1 {
             return Err(bad("multiple Host header fields"));
         }
+        if hosts == 0 && !self.http10 {
+            hop.no_host = true;
+        }
         hop.framing = Some(match (codings, length) {
             (0, n) => BodyFraming::Length(n.unwrap_or(0)),
             (_, Some(_)) => return Err(bad("a request may not carry both Content-Length and Transfer-Encoding")),
@@ -338,6 +357,33 @@ impl RequestHead {
         });
         Ok(hop)
     }
+}
+
+/// Whether `v` is a `Host` value: empty (a target with no authority), or `uri-host
+/// [":" port]` (RFC 3986 §3.2.2): an IP literal in brackets, or a name of unreserved and
+/// percent-encoded characters and sub-delims — bar `,`, which other parsers read as a list —
+/// then at most five port digits.
+fn is_authority(v: &[u8]) -> bool {
+    let (host, port) = match v.strip_prefix(b"[") {
+        Some(rest) => {
+            let Some(end) = rest.iter().position(|&b| b == b']') else { return false };
+            let literal = &rest[..end];
+            if literal.is_empty() || !literal.iter().all(|&b| b.is_ascii_hexdigit() || b == b':' || b == b'.') {
+                return false;
+            }
+            match &rest[end + 1..] {
+                [] => (&b""[..], None),
+                [b':', port @ ..] => (&b""[..], Some(port)),
+                _ => return false,
+            }
+        }
+        None => match v.iter().rposition(|&b| b == b':') {
+            Some(i) => (&v[..i], Some(&v[i + 1..])),
+            None => (v, None),
+        },
+    };
+    let name_ok = host.iter().all(|&b| b.is_ascii_alphanumeric() || b"-._~%!$&'()*+;=".contains(&b));
+    name_ok && port.is_none_or(|p| p.len() <= 5 && p.iter().all(u8::is_ascii_digit))
 }
 
 fn bad(why: &str) -> ProxyError {
@@ -392,7 +438,7 @@ mod tests {
     #[test]
     fn an_incomplete_head_asks_for_more_until_it_is_too_large() {
         assert!(parse("POST /v1/completions HTTP/1.1\r\nHost: gw\r\n").unwrap().is_none());
-        let long = format!("GET / HTTP/1.1\r\nx: {}\r\n", "a".repeat(2000));
+        let long = format!("GET / HTTP/1.1\r\nHost: gw\r\nx: {}\r\n", "a".repeat(2000));
         assert!(RequestHead::parse(&mut BytesMut::from(long.as_str()), 4096, 10).unwrap().is_none());
         let e = RequestHead::parse(&mut BytesMut::from(long.as_str()), 1024, 10).unwrap_err();
         assert_eq!(e.status(), 431);
@@ -402,70 +448,97 @@ mod tests {
 
     #[test]
     fn too_many_fields_are_431() {
-        let head = format!("GET / HTTP/1.1\r\n{}\r\n", "a: b\r\n".repeat(11));
+        let head = format!("GET / HTTP/1.1\r\nHost: gw\r\n{}\r\n", "a: b\r\n".repeat(11));
         assert_eq!(RequestHead::parse(&mut BytesMut::from(head.as_str()), 4096, 10).unwrap_err().status(), 431);
-        let head = format!("GET / HTTP/1.1\r\n{}\r\n", "a: b\r\n".repeat(MAX_FIELDS + 1));
+        let head = format!("GET / HTTP/1.1\r\nHost: gw\r\n{}\r\n", "a: b\r\n".repeat(MAX_FIELDS + 1));
         assert_eq!(RequestHead::parse(&mut BytesMut::from(head.as_str()), 1 << 20, 256).unwrap_err().status(), 431);
     }
 
     #[test]
     fn ambiguous_framing_is_refused() {
         for head in [
-            "POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
-            "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n",
             "POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n",
-            "POST / HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
-            "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
-            "POST / HTTP/1.1\r\nTransfer-Encoding: identity\r\n\r\n",
-            "POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n",
-            "POST / HTTP/1.1\r\nContent-Length: 3, 4\r\n\r\n",
-            "POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
-            "POST / HTTP/1.1\r\nContent-Length: +3\r\n\r\n",
-            "POST / HTTP/1.1\r\nContent-Length: 0x10\r\n\r\n",
-            "POST / HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n",
-            "POST / HTTP/1.1\r\nContent-Length:\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: identity\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw\r\nContent-Length: 3, 4\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw\r\nContent-Length: -1\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw\r\nContent-Length: +3\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw\r\nContent-Length: 0x10\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw\r\nContent-Length: 99999999999999999999\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw\r\nContent-Length:\r\n\r\n",
             "POST / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
             "POST / HTTP/1.1\r\nHost: user@a\r\n\r\n",
-            "POST http://user@a/ HTTP/1.1\r\n\r\n",
+            "POST http://user@a/ HTTP/1.1\r\nHost: gw\r\n\r\n",
             "POST http://a/v1/x HTTP/1.1\r\nHost: b\r\n\r\n",
-            "POST ftp://a/ HTTP/1.1\r\n\r\n",
-            "POST v1/completions HTTP/1.1\r\n\r\n",
-            "POST / HTTP/1.1\r\nContent-Length : 3\r\n\r\n",
-            "POST / HTTP/1.1\r\nx: a\r\n folded\r\n\r\n",
+            "POST ftp://a/ HTTP/1.1\r\nHost: gw\r\n\r\n",
+            "POST v1/completions HTTP/1.1\r\nHost: gw\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw\r\nContent-Length : 3\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw\r\nx: a\r\n folded\r\n\r\n",
             "POST / HTTP/2.0\r\n\r\n",
-            "POST /\0 HTTP/1.1\r\n\r\n",
+            "POST /\0 HTTP/1.1\r\nHost: gw\r\n\r\n",
             "POST / HTTP/1.1\nTRANSFER-ENCODING: chunked\nContent-Length:5\n\n",
-            "CONNECT http://a/v1 HTTP/1.1\r\n\r\n",
-            "CONNECT a:443 HTTP/1.1\r\n\r\n",
+            "CONNECT http://a/v1 HTTP/1.1\r\nHost: gw\r\n\r\n",
+            "CONNECT a:443 HTTP/1.1\r\nHost: gw\r\n\r\n",
         ] {
             assert_eq!(refused(head), 400, "{head:?}");
         }
     }
 
     #[test]
+    fn host_is_one_authority() {
+        for head in [
+            "POST / HTTP/1.1\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw/path\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: a, b\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: a,b\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw:80x\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw:123456\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: [::1\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: [::1]x\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw?x\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: gw#x\r\n\r\n",
+            "POST http://gw/ HTTP/1.1\r\n\r\n",
+        ] {
+            assert_eq!(refused(head), 400, "{head:?}");
+        }
+        for host in ["gw", "gw:8080", "10.0.0.1:80", "[::1]", "[::1]:8000", "my-svc.ns.svc.cluster.local", "", "gw:"] {
+            ok(&format!("POST / HTTP/1.1\r\nHost: {host}\r\n\r\n"));
+        }
+        // HTTP/1.0 may leave it out.
+        ok("POST / HTTP/1.0\r\n\r\n");
+    }
+
+    #[test]
     fn unambiguous_framing_is_read() {
-        assert_eq!(ok("POST / HTTP/1.1\r\nTransfer-Encoding: Chunked\r\n\r\n").body_framing(), BodyFraming::Chunked);
-        let same = ok("POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 3, 3\r\n\r\n");
+        assert_eq!(
+            ok("POST / HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: Chunked\r\n\r\n").body_framing(),
+            BodyFraming::Chunked
+        );
+        let same = ok("POST / HTTP/1.1\r\nHost: gw\r\nContent-Length: 3\r\nContent-Length: 3, 3\r\n\r\n");
         assert_eq!(same.body_framing(), BodyFraming::Length(3));
-        assert_eq!(ok("GET / HTTP/1.1\r\n\r\n").body_framing(), BodyFraming::Length(0));
+        assert_eq!(ok("GET / HTTP/1.1\r\nHost: gw\r\n\r\n").body_framing(), BodyFraming::Length(0));
         let abs = ok("POST http://gw:8080/v1/completions?a=b HTTP/1.1\r\nHost: gw:8080\r\n\r\n");
         assert_eq!((abs.path(), abs.path_and_query()), ("/v1/completions", "/v1/completions?a=b"));
-        let bare = ok("OPTIONS http://gw HTTP/1.1\r\n\r\n");
+        let bare = ok("OPTIONS http://gw HTTP/1.1\r\nHost: gw\r\n\r\n");
         assert_eq!((bare.path(), bare.path_and_query()), ("/", "/"));
-        assert_eq!(ok("OPTIONS * HTTP/1.1\r\n\r\n").path(), "*");
-        assert_eq!(ok("GET /?q HTTP/1.1\r\n\r\n").path(), "/");
+        assert_eq!(ok("OPTIONS * HTTP/1.1\r\nHost: gw\r\n\r\n").path(), "*");
+        assert_eq!(ok("GET /?q HTTP/1.1\r\nHost: gw\r\n\r\n").path(), "/");
         // A field merely containing a framing field's name is not that field.
-        let note = ok("POST / HTTP/1.1\r\nX-Note: content-length: 5\r\nTransfer-Encoding: chunked\r\n\r\n");
+        let note = ok("POST / HTTP/1.1\r\nHost: gw\r\nX-Note: content-length: 5\r\nTransfer-Encoding: chunked\r\n\r\n");
         assert_eq!(note.body_framing(), BodyFraming::Chunked);
     }
 
     #[test]
     fn keepalive_and_continue_follow_the_version() {
-        assert!(!ok("GET / HTTP/1.1\r\nConnection: Close\r\n\r\n").wants_keepalive());
+        assert!(!ok("GET / HTTP/1.1\r\nHost: gw\r\nConnection: Close\r\n\r\n").wants_keepalive());
         assert!(!ok("GET / HTTP/1.0\r\n\r\n").wants_keepalive());
         assert!(ok("GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n").wants_keepalive());
-        assert!(ok("GET / HTTP/1.1\r\nConnection: te, keep-alive\r\n\r\n").wants_keepalive());
-        assert!(ok("POST / HTTP/1.1\r\nExpect: 100-Continue\r\n\r\n").expects_continue());
+        assert!(ok("GET / HTTP/1.1\r\nHost: gw\r\nConnection: te, keep-alive\r\n\r\n").wants_keepalive());
+        assert!(ok("POST / HTTP/1.1\r\nHost: gw\r\nExpect: 100-Continue\r\n\r\n").expects_continue());
         assert!(!ok("POST / HTTP/1.0\r\nExpect: 100-continue\r\n\r\n").expects_continue());
     }
 

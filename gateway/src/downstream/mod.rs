@@ -124,8 +124,10 @@ impl Downstream<'_> {
                     let _ = resp.append_header(name, value);
                 }
                 if let Some(n) = length {
-                    let _ = resp.insert_header(http::header::CONTENT_LENGTH, n);
-                } else if !p.session.is_http2() {
+                    if crate::http::may_carry_length(status) {
+                        let _ = resp.insert_header(http::header::CONTENT_LENGTH, n);
+                    }
+                } else if !p.session.is_http2() && crate::http::may_carry_length(status) {
                     let _ = resp.insert_header(http::header::TRANSFER_ENCODING, "chunked");
                 }
                 p.session.write_response_header(Box::new(resp)).await.is_ok()

@@ -33,7 +33,10 @@ pub struct Unwritable(&'static str);
 
 /// Append the engine-bound request head for `client`'s request to `out`: the client's
 /// end-to-end headers — never hop-by-hop ones, nor those the client's `Connection` names,
-/// nor the edge's credentials ([`EDGE_ONLY`], and `Authorization` when keys are on) — plus
+/// nor the edge's credentials ([`EDGE_ONLY`], and `Authorization` when keys are on), nor
+/// `Expect` (the gateway answers `100-continue` itself and sends the body whole), nor a
+/// name with an underscore (`Transfer_Encoding`: stacks that map `_` to `-` would read a
+/// framing field; NGINX drops them too) — plus
 /// our host, length, `X-Forwarded-For` (the client's chain with its address appended),
 /// `X-Forwarded-Proto` and `X-Request-Id`. Header names go out in lower case.
 pub(crate) fn request_head(
@@ -72,6 +75,8 @@ pub(crate) fn request_head(
             || (fwd.strip_authorization && name == b"authorization")
             || name == b"x-forwarded-proto"
             || name == REQUEST_ID.as_bytes()
+            || name == b"expect"
+            || name.contains(&b'_')
             || named(name);
         if !dropped {
             put(out, &[name, b": ", value, b"\r\n"]);
@@ -281,6 +286,9 @@ mod tests {
             ("host", "gateway.example"),
             ("content-length", "999"),
             ("transfer-encoding", "chunked"),
+            ("expect", "100-continue"),
+            ("transfer_encoding", "chunked"),
+            ("x_custom", "1"),
         ]);
         let fwd = Forwarded {
             peer: Some("10.0.0.5".parse().unwrap()),
@@ -290,7 +298,19 @@ mod tests {
         };
         let (line, fields) = written(&req, &fwd);
         assert_eq!(line, "POST /v1/completions?x=1");
-        for gone in ["authorization", "proxy-authorization", "cookie", "connection", "x-secret", "transfer-encoding"] {
+        // `Expect` is the gateway's to answer; names with `_` may read as framing fields to a
+        // stack that maps `_` to `-`.
+        for gone in [
+            "authorization",
+            "proxy-authorization",
+            "cookie",
+            "connection",
+            "x-secret",
+            "transfer-encoding",
+            "expect",
+            "transfer_encoding",
+            "x_custom",
+        ] {
             assert!(get(&fields, gone).is_empty(), "{gone} must not reach the engine");
         }
         assert_eq!(get(&fields, "x-forwarded-for"), ["203.0.113.9, 10.0.0.5"]);
