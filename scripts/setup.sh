@@ -87,3 +87,7 @@ if [ "$(cat "$OPENAI_VENV/.ready" 2>/dev/null)" != "$OPENAI_SDK" ]; then
   "$OPENAI_VENV/bin/python" -m pip install --quiet --disable-pip-version-check $OPENAI_SDK
   echo "$OPENAI_SDK" > "$OPENAI_VENV/.ready"
 fi
+
+# A real vLLM (CPU build) and SmolLM2 as a Hugging Face checkpoint, for the interop tests:
+# outside the clone, once per machine (see the script for what it costs cold).
+scripts/setup-vllm.sh
