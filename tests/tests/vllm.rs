@@ -156,3 +156,122 @@ async fn switchyard_in_front_of_a_real_vllm() {
     let load: Value = send(shim.addr, "GET", "/load", "").await.json().await;
     assert_eq!(load["in_flight"], 0, "{load}");
 }
+
+/// Prefix groups, and followers per group, of the two-engine test.
+const GROUPS: usize = 2;
+const FOLLOWERS: usize = 3;
+
+/// A vLLM with KV events on free ports: the process and its (events, replay) endpoints.
+fn publishing_vllm() -> (VllmProc, String, String) {
+    let (events, replay) = (free_port(), free_port());
+    let kv = json!({"enable_kv_cache_events": true, "publisher": "zmq",
+                    "endpoint": format!("tcp://*:{events}"), "replay_endpoint": format!("tcp://*:{replay}")});
+    let vllm = VllmProc::start(&["--enable-prefix-caching", "--kv-events-config", &kv.to_string()]);
+    (vllm, format!("tcp://127.0.0.1:{events}"), format!("tcp://127.0.0.1:{replay}"))
+}
+
+/// Per engine, in `engines`' order, the requests one gateway routed there.
+async fn routed(g: &GatewayProc, engines: &[(VllmProc, String, String)]) -> Vec<u64> {
+    let b = backends(g).await;
+    let list = b["backends"].as_array().unwrap().clone();
+    engines
+        .iter()
+        .map(|(e, _, _)| {
+            list.iter().find(|x| x["url"] == e.url().as_str()).map_or(0, |x| x["routed"].as_u64().unwrap())
+        })
+        .collect()
+}
+
+/// A question long enough to end in blocks of its own: ties between idle engines are broken
+/// by a hash of the request's last block, which must not be the group's.
+fn own_question(n: usize) -> String {
+    let details: String = (0..30).map(|i| format!("detail {} ", i * n + 11)).collect();
+    format!("Question {n}: what does rule {} say? {details}", n * 3 + 1)
+}
+
+/// Prefix groups over two gateway replicas: each group's first request through the first
+/// replica, its followers through the other. The share of followers that went where their
+/// group's prefix is.
+async fn followers_home(gateways: &[GatewayProc], engines: &[(VllmProc, String, String)], salt: &str) -> f64 {
+    let which = |before: &[u64], after: &[u64]| before.iter().zip(after).position(|(b, a)| a > b).unwrap();
+    // About 480 tokens each: three of vLLM's 128-token blocks (a 2-core machine prefills
+    // them in seconds with two vLLMs up).
+    let rules: String = (0..40).map(|i| format!("Rule {i}: answer briefly and cite rule {}. ", i * 7 % 40)).collect();
+    let groups: Vec<String> = (0..GROUPS).map(|g| format!("Handbook {salt}{g}. {rules}")).collect();
+    let mut home = Vec::new();
+    for system in &groups {
+        let before = routed(&gateways[0], engines).await;
+        let r = post(gateways[0].addr, "/v1/chat/completions", &chat(system, &own_question(0), 1)).await;
+        assert_eq!(r.status, 200);
+        r.text().await;
+        home.push(which(&before, &routed(&gateways[0], engines).await));
+    }
+    // The other replica has heard vLLM store every group's blocks.
+    eventually("the second replica indexed every group", async || {
+        let b = backends(&gateways[1]).await;
+        let held: u64 =
+            b["backends"].as_array().unwrap().iter().map(|x| x["kv_events"]["held_blocks"].as_u64().unwrap_or(0)).sum();
+        held >= 3 * GROUPS as u64
+    })
+    .await;
+    let (mut same, mut total) = (0, 0);
+    for n in 1..=FOLLOWERS {
+        for (k, system) in groups.iter().enumerate() {
+            let g = &gateways[1];
+            let before = routed(g, engines).await;
+            let r = post(g.addr, "/v1/chat/completions", &chat(system, &own_question(n), 1)).await;
+            assert_eq!(r.status, 200);
+            r.text().await;
+            same += usize::from(which(&before, &routed(g, engines).await) == home[k]);
+            total += 1;
+        }
+    }
+    same as f64 / total as f64
+}
+
+/// Two vLLM engines behind two gateway replicas (#45): with the gateways subscribed to vLLM's
+/// own KV events and tokenizing as vLLM does, every group's followers — sent through the
+/// replica that did not route the group's first request — land on the engine holding the
+/// group's prefix; with the approximate index alone (each replica knows only what it routed)
+/// they scatter (per group all or nothing: the first follower's engine is where that
+/// replica sends the rest). Both shares are printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_vllm_engines_behind_two_gateways_keep_prefix_groups_home() {
+    let engines = tokio::task::spawn_blocking(|| {
+        let a = std::thread::spawn(publishing_vllm);
+        let b = publishing_vllm();
+        vec![a.join().unwrap(), b]
+    })
+    .await
+    .unwrap();
+    let tokenizer = vllm_model_dir();
+    let replica = |precise: bool| {
+        let mut c = GatewayConfigBuilder::new().policy("cost");
+        for (e, events, replay) in &engines {
+            c = c.backend_with_kv_events(&e.url(), events, Some(replay));
+        }
+        let kv = match precise {
+            true => format!("{{ block_size: {VLLM_CPU_BLOCK_SIZE}, tokenizer: {:?} }}", tokenizer.to_str().unwrap()),
+            false => format!("{{ block_size: {VLLM_CPU_BLOCK_SIZE} }}"),
+        };
+        GatewayProc::start(&c.section("kv_events", &kv))
+    };
+    let precise = [replica(true), replica(true)];
+    for g in &precise {
+        wait_scraped(g, 2).await;
+    }
+    let precise_share = followers_home(&precise, &engines, "p").await;
+    drop(precise);
+    let approximate = [replica(false), replica(false)];
+    for g in &approximate {
+        wait_scraped(g, 2).await;
+    }
+    let approximate_share = followers_home(&approximate, &engines, "a").await;
+    eprintln!(
+        "two vLLM {VLLM_VERSION} engines, two gateway replicas: {:.0}% of followers home with vLLM's KV events, \
+         {:.0}% with the approximate index alone",
+        precise_share * 100.0,
+        approximate_share * 100.0
+    );
+    assert!(precise_share >= 0.9, "precise: {:.0}% of followers home", precise_share * 100.0);
+}
