@@ -71,9 +71,9 @@ def serve(name):
     return p, f"http://127.0.0.1:{port}"
 
 
-def loadtest(name, url, out, *args, seed=1):
+def loadtest(name, url, out, *args, seed=1, work=None):
     # A fresh seed per round: the prompts must not be in either server's prompt cache.
-    d = os.path.join(WORK, f"{name}-{out}")
+    d = os.path.join(work or WORK, f"{name}-{out}")
     cmd = [f"{BIN}/switchyard-loadtest", "run", "--endpoint", "completions", "--model", "smollm2", "--seed", str(seed),
            "--target", f"{name}={url}", "--out", d, *args]
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

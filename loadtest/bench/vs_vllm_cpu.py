@@ -30,6 +30,7 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bars import SetupError, run  # noqa: E402
 from cpu_vs_llama_cpp import free_port, wait_ready  # noqa: E402
+from cpu_vs_llama_cpp import loadtest as llama_loadtest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.join(ROOT, "target", "release")
@@ -69,14 +70,7 @@ def serve(name):
 
 
 def loadtest(name, url, out, *args, seed=1):
-    d = os.path.join(WORK, f"{name}-{out}")
-    cmd = [f"{BIN}/switchyard-loadtest", "run", "--endpoint", "completions", "--model", "smollm2", "--seed", str(seed),
-           "--target", f"{name}={url}", "--out", d, *args]
-    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        raise SetupError(f"switchyard-loadtest failed against {name}:\n{done.stderr[-2000:]}")
-    with open(os.path.join(d, "summary.json")) as f:
-        return json.load(f)["targets"][0]
+    return llama_loadtest(name, url, out, *args, seed=seed, work=WORK)
 
 
 def one_round(name, url, r):
