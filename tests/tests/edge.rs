@@ -108,9 +108,14 @@ async fn a_key_over_its_limits_gets_429_and_other_keys_do_not() {
 
     // Token budget of 100/min: a request is charged its estimate (prompt + max_tokens)…
     let big = json!({"model": "m", "prompt": "hello", "max_tokens": 80});
+    let ok = async || metric_where(&scrape(g.admin).await, "switchyard_requests_total", "code", "200");
+    let before = ok().await;
     let r = call(g.addr, Some(KEY_C), &big).await;
     assert_eq!(r.status, 200);
     r.text().await;
+    // The request is settled when it is counted (`finish`), which may come a moment after the
+    // client has the last byte.
+    eventually("the first request is settled", async || ok().await > before).await;
     // …and settled with the engine's usage (2 tokens), so a second one fits.
     let r = call(g.addr, Some(KEY_C), &big).await;
     assert_eq!(r.status, 200, "the first request's unused tokens were refunded");
