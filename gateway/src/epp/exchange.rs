@@ -48,22 +48,6 @@ struct Routed {
     guard: InflightGuard,
 }
 
-/// One open stream in `switchyard_epp_streams`, for as long as it lives.
-struct OpenStream(prometheus::IntGauge);
-
-impl OpenStream {
-    fn count(gauge: &prometheus::IntGauge) -> Self {
-        gauge.inc();
-        OpenStream(gauge.clone())
-    }
-}
-
-impl Drop for OpenStream {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
-}
-
 /// How a request body ended.
 #[derive(Clone, Copy)]
 enum BodyEnd {
@@ -101,7 +85,6 @@ pub(super) async fn serve(
 ) {
     let state = app.state().clone();
     let _in_flight = state.lifecycle.in_flight.enter();
-    let _open = OpenStream::count(&state.metrics.epp_streams);
     let deadline = state.active.load().config.limits.header_read_timeout();
     // A stream that says nothing is closed like a connection that sends no head.
     let (headers, meta) = match tokio::time::timeout(deadline, next(&mut inbound)).await {

@@ -54,20 +54,23 @@ struct Picker {
     open: Arc<AtomicUsize>,
 }
 
-/// One of `epp.max_streams`, held by a stream's task for its life.
-pub(super) struct StreamSlot(Arc<AtomicUsize>);
+/// One of `epp.max_streams`, held by a stream's task for its life, and shown in
+/// `switchyard_epp_streams` while held.
+pub(super) struct StreamSlot(Arc<AtomicUsize>, prometheus::IntGauge);
 
 impl StreamSlot {
     /// A slot, unless `max` are taken.
-    fn take(open: &Arc<AtomicUsize>, max: usize) -> Option<StreamSlot> {
+    fn take(open: &Arc<AtomicUsize>, max: usize, gauge: &prometheus::IntGauge) -> Option<StreamSlot> {
         open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1)).ok()?;
-        Some(StreamSlot(open.clone()))
+        gauge.inc();
+        Some(StreamSlot(open.clone(), gauge.clone()))
     }
 }
 
 impl Drop for StreamSlot {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
+        self.1.dec();
     }
 }
 
@@ -79,7 +82,8 @@ impl ExternalProcessor for Picker {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        let Some(slot) = StreamSlot::take(&self.open, self.epp.max_streams) else {
+        let gauge = &self.app.state().metrics.epp_streams;
+        let Some(slot) = StreamSlot::take(&self.open, self.epp.max_streams, gauge) else {
             return Err(Status::resource_exhausted("switchyard epp: epp.max_streams streams are open"));
         };
         // Answers go out in order; a few may wait while Envoy reads (the body echo).
